@@ -1,0 +1,1 @@
+"""Task families: one module per family; each registers itself with ``vlm_grpo_ma.registry`` on import."""

@@ -1,0 +1,1 @@
+"""vlm-grpo-ma: GRPO-MA reinforcement learning for Qwen-VL vision-language models."""

@@ -1,0 +1,479 @@
+"""The only module that knows Qwen-VL: loading, prompts and images, tree sampling, and token log-probs.
+
+Tree sampling (``sample_tree``): the B prompts are prefilled once (each image goes through the vision tower
+once), the KV cache is repeated K times and K thoughts are decoded until ``</think>``; then the cache is
+repeated M times and M answers are decoded from each thought. Prompt, image and thought are never
+re-encoded for the answers, and token ids (never re-tokenised text) pass between the stages.
+
+Position ids are computed here, not by the model. Rows finish at different steps; a finished row keeps
+receiving pad tokens whose cache slots are masked out and which get no position, so the next real token of
+that row sits at position (last real position + 1), exactly as in a re-encode of the row without padding.
+(The model's own decode path derives positions from the cache length, which counts those pad slots: a
+shorter thought would then see its answer shifted in RoPE position and get different log-probs.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from vlm_grpo_ma.coords import CoordinateFrame, Size
+from vlm_grpo_ma.registry import Sample
+
+SUPPORTED_MODEL_TYPES = {
+    # model_type -> the coordinate frame that family was trained to write boxes and points in
+    "qwen2_5_vl": CoordinateFrame.ABSOLUTE_INPUT,
+    "qwen2_vl": CoordinateFrame.RELATIVE_1000,
+    "qwen3_vl": CoordinateFrame.RELATIVE_1000,
+}
+
+
+class ImageLoadError(ValueError):
+    """An image file is missing or cannot be decoded."""
+
+
+def coordinate_frame_for(model_type: str) -> CoordinateFrame:
+    try:
+        return SUPPORTED_MODEL_TYPES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        ) from None
+
+
+@dataclass
+class Policy:
+    """A Qwen-VL model and its processor, plus what follows from them (coordinate frame, stop ids)."""
+
+    model: torch.nn.Module
+    processor: object
+    frame: CoordinateFrame
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+
+    @property
+    def image_token_id(self) -> int:
+        return self.model.config.image_token_id
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    from vlm_grpo_ma.tiny import TINY_MODEL_DIR, TINY_MODEL_NAME
+
+    return str(TINY_MODEL_DIR) if name_or_path == TINY_MODEL_NAME else name_or_path
+
+
+def pick_attn_implementation(requested: str) -> str:
+    """``auto``: flash_attention_2 where flash-attn is installed and CUDA is present, else sdpa."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load_policy(
+    name_or_path: str,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str = "auto",
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    device: torch.device | str = "cpu",
+) -> Policy:
+    """Load a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (hub id or local path; ``tiny`` = the embedded one)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    path = resolve_model_path(name_or_path)
+    if Path(path).exists() is False and "/" not in path:
+        raise FileNotFoundError(f"model.name_or_path {name_or_path!r} is neither a local path nor a hub id")
+    config = AutoConfig.from_pretrained(path)
+    frame = coordinate_frame_for(config.model_type)
+    processor_kwargs = {}
+    if min_pixels is not None:
+        processor_kwargs["min_pixels"] = min_pixels
+    if max_pixels is not None:
+        processor_kwargs["max_pixels"] = max_pixels
+    processor = AutoProcessor.from_pretrained(path, **processor_kwargs)
+    processor.tokenizer.padding_side = "left"
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation=pick_attn_implementation(attn_implementation)
+    ).to(device)
+    return Policy(model=model, processor=processor, frame=frame)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompts and images
+
+
+@dataclass
+class EncodedPrompt:
+    """One prompt, tokenised, with its images processed (still on the CPU)."""
+
+    input_ids: list[int]
+    pixel_values: torch.Tensor  # [num_patches, patch_dim]
+    image_grid_thw: torch.Tensor  # [num_images, 3]
+    input_sizes: tuple[Size, ...]  # (width, height) the model sees
+    original_sizes: tuple[Size, ...]
+
+
+def open_image(image) -> Image.Image:
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    try:
+        with Image.open(image) as opened:
+            return opened.convert("RGB")
+    except (OSError, ValueError) as error:
+        raise ImageLoadError(f"cannot load image {image!r}: {error}") from error
+
+
+def prompt_messages(sample: Sample, instruction: str) -> list[dict]:
+    content = [{"type": "image"} for _ in sample.images]
+    content.append({"type": "text", "text": f"{sample.question} {instruction}".strip()})
+    return [{"role": "user", "content": content}]
+
+
+def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPrompt:
+    """Chat template + processor for one sample. Raises ImageLoadError for a broken or missing image."""
+    images = [open_image(image) for image in sample.images]
+    text = policy.processor.apply_chat_template(
+        prompt_messages(sample, instruction), add_generation_prompt=True, tokenize=False
+    )
+    encoded = policy.processor(text=[text], images=images or None, return_tensors="pt")
+    grid = encoded["image_grid_thw"]
+    patch = policy.model.config.vision_config.patch_size
+    input_sizes = tuple((int(w) * patch, int(h) * patch) for _, h, w in grid.tolist())
+    return EncodedPrompt(
+        input_ids=encoded["input_ids"][0].tolist(),
+        pixel_values=encoded["pixel_values"],
+        image_grid_thw=grid,
+        input_sizes=input_sizes,
+        original_sizes=tuple(image.size for image in images),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Positions and the vision tower
+
+
+def _rope_positions(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw):
+    """mRoPE position ids [3, N, L] for a padded batch (pad positions get 0)."""
+    mm_token_type_ids = (input_ids == policy.image_token_id).int()
+    positions, _ = policy.model.model.get_rope_index(
+        input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask
+    )
+    return positions
+
+
+def _encode_images(policy: Policy, prompts: Sequence[EncodedPrompt]):
+    """Run the vision tower once over all images of the prompts. Returns the model's vision output."""
+    device = policy.device
+    pixel_values = torch.cat([p.pixel_values for p in prompts]).to(device)
+    grid = torch.cat([p.image_grid_thw for p in prompts]).to(device)
+    return policy.model.model.get_image_features(pixel_values, grid, return_dict=True), grid
+
+
+def _select_vision_rows(vision_output, images_per_prompt: list[int], row_prompt: list[int]):
+    """Repeat the per-image vision features so that row r gets the images of prompt row_prompt[r]."""
+    first_image = [sum(images_per_prompt[:i]) for i in range(len(images_per_prompt))]
+    image_order = [first_image[p] + j for p in row_prompt for j in range(images_per_prompt[p])]
+    pooled = vision_output.pooler_output
+    selected = type(vision_output)(**{k: v for k, v in vision_output.items()})
+    selected.pooler_output = tuple(pooled[i] for i in image_order)
+    deepstack = getattr(vision_output, "deepstack_features", None)
+    if deepstack:  # Qwen3-VL: concatenated over images, same token counts as pooler_output
+        counts = [t.shape[0] for t in pooled]
+        selected.deepstack_features = [
+            torch.cat([torch.split(level, counts)[i] for i in image_order]) for level in deepstack
+        ]
+    return selected
+
+
+def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tree sampling
+
+
+@dataclass
+class TreeSample:
+    """Token ids of a K x M sampling tree. Rows: thoughts are prompt-major (b * K + k), answers
+    thought-major (t * M + m). ``*_logprobs`` are the sampling log-probs (at the sampling temperature)."""
+
+    thought_ids: list[list[int]]
+    thought_logprobs: list[list[float]]
+    thought_forced: list[list[bool]]  # tokens the policy did not sample (the closing tag of a truncated thought)
+    thought_truncated: list[bool]
+    answer_ids: list[list[int]]
+    answer_logprobs: list[list[float]]
+    answer_truncated: list[bool]
+    vision_images_encoded: int = 0
+
+
+@dataclass
+class _DecodeState:
+    cache: object
+    attention_mask: torch.Tensor  # [N, L]
+    next_position: torch.Tensor  # [N]
+    logits: torch.Tensor  # [N, V] next-token logits of each row
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_thought_tokens: int = 64
+    max_answer_tokens: int = 32
+    thought_stop: str = "</think>"
+    answer_stop: str = "</answer>"
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+def _sample_tokens(logits: torch.Tensor, settings: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens [N], log-probs [N] under softmax(logits / temperature))."""
+    scaled = logits.float() / settings.temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
+    probs = logprobs.exp()
+    if settings.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < settings.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    tokens = torch.multinomial(probs.cpu(), 1, generator=settings.generator).squeeze(-1).to(logits.device)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _step(policy: Policy, state: _DecodeState, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Feed one token per row; ``real`` [N] bool marks rows whose token is a real one (else a masked pad)."""
+    device = policy.device
+    state.attention_mask = torch.cat([state.attention_mask, real.long()[:, None].to(device)], dim=1)
+    positions = state.next_position[None, :, None].expand(3, -1, 1)
+    out = policy.model(
+        input_ids=tokens[:, None].to(device),
+        attention_mask=state.attention_mask,
+        position_ids=positions,
+        cache=state.cache,
+        use_cache=True,
+    )
+    state.next_position = state.next_position + real.long().to(device)
+    return out.logits[:, -1, :]
+
+
+def _decode(
+    policy: Policy,
+    state: _DecodeState,
+    *,
+    max_tokens: int,
+    stop_text: str,
+    forced_suffix: list[int] | None,
+    settings: SamplingSettings,
+):
+    """Decode every row until ``stop_text`` appears in its text, an EOS, or ``max_tokens``.
+
+    With ``forced_suffix`` (token ids), a row that has not stopped when only ``len(forced_suffix)`` tokens
+    remain gets those tokens forced (not sampled), so that every row ends with the stop text.
+    Leaves ``state.logits`` as the next-token logits after each row's last real token.
+    """
+    n = state.logits.shape[0]
+    eos = set(policy.eos_token_ids)
+    tokens_out: list[list[int]] = [[] for _ in range(n)]
+    logprobs_out: list[list[float]] = [[] for _ in range(n)]
+    forced_out: list[list[bool]] = [[] for _ in range(n)]
+    truncated = [False] * n
+    done = [False] * n
+    pad = torch.full((n,), policy.pad_token_id, dtype=torch.long)
+    final_logits = state.logits.clone()
+    suffix_len = len(forced_suffix) if forced_suffix else 0
+    for step in range(max_tokens):
+        sampled, sampled_logprobs = _sample_tokens(state.logits, settings)
+        sampled, sampled_logprobs = sampled.cpu(), sampled_logprobs.float().cpu()
+        real = torch.tensor([not d for d in done])
+        tokens = torch.where(real, sampled, pad)
+        for row in range(n):
+            if done[row]:
+                continue
+            forcing = forced_suffix is not None and (
+                forced_out[row] and forced_out[row][-1] or step >= max_tokens - suffix_len
+            )
+            if forcing:
+                tokens[row] = forced_suffix[sum(forced_out[row])]
+            token = int(tokens[row])
+            tokens_out[row].append(token)
+            logprobs_out[row].append(0.0 if forcing else float(sampled_logprobs[row]))
+            forced_out[row].append(bool(forcing))
+            if forcing:
+                if sum(forced_out[row]) == suffix_len:
+                    done[row] = truncated[row] = True
+            elif token in eos or stop_text in policy.tokenizer.decode(tokens_out[row][-8:]):
+                done[row] = True
+        logits = _step(policy, state, tokens, real)
+        finished_now = torch.tensor([d for d in done]) & real
+        final_logits[finished_now.to(final_logits.device)] = logits[finished_now.to(logits.device)]
+        state.logits = torch.where(real[:, None].to(logits.device), logits, state.logits)
+        if all(done):
+            break
+    for row in range(n):
+        if not done[row]:
+            truncated[row] = True
+    state.logits = torch.where(torch.tensor(done)[:, None].to(final_logits.device), final_logits, state.logits)
+    return tokens_out, logprobs_out, forced_out, truncated
+
+
+def _repeat_rows(state: _DecodeState, repeats: int) -> None:
+    state.cache.batch_repeat_interleave(repeats)  # in place
+    state.attention_mask = state.attention_mask.repeat_interleave(repeats, dim=0)
+    state.next_position = state.next_position.repeat_interleave(repeats, dim=0)
+    state.logits = state.logits.repeat_interleave(repeats, dim=0)
+
+
+@torch.no_grad()
+def sample_tree(
+    policy: Policy,
+    prompts: Sequence[EncodedPrompt],
+    *,
+    num_thoughts: int,
+    num_answers: int,
+    settings: SamplingSettings,
+) -> TreeSample:
+    """K thoughts per prompt, then M answers per thought from the thought's KV cache."""
+    from transformers import DynamicCache
+
+    device = policy.device
+    ids, mask = _left_pad([p.input_ids for p in prompts], policy.pad_token_id)
+    ids, mask = ids.to(device), mask.to(device)
+    vision, grid = _encode_images(policy, prompts)
+    positions = _rope_positions(policy, ids, mask, grid)
+    cache = DynamicCache(config=policy.model.config)
+    out = policy.model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        mm_encoder_outputs={"image": vision},
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    state = _DecodeState(
+        cache=out.cache if hasattr(out, "cache") else out.past_key_values,
+        attention_mask=mask,
+        next_position=positions.amax(dim=(0, 2)) + 1,  # [B]
+        logits=out.logits[:, -1, :],
+    )
+    _repeat_rows(state, num_thoughts)
+    close_ids = policy.tokenizer.encode(settings.thought_stop, add_special_tokens=False)
+    thought_ids, thought_logprobs, thought_forced, thought_truncated = _decode(
+        policy,
+        state,
+        max_tokens=settings.max_thought_tokens,
+        stop_text=settings.thought_stop,
+        forced_suffix=close_ids,
+        settings=settings,
+    )
+    _repeat_rows(state, num_answers)
+    answer_ids, answer_logprobs, _, answer_truncated = _decode(
+        policy,
+        state,
+        max_tokens=settings.max_answer_tokens,
+        stop_text=settings.answer_stop,
+        forced_suffix=None,
+        settings=settings,
+    )
+    return TreeSample(
+        thought_ids=thought_ids,
+        thought_logprobs=thought_logprobs,
+        thought_forced=thought_forced,
+        thought_truncated=thought_truncated,
+        answer_ids=answer_ids,
+        answer_logprobs=answer_logprobs,
+        answer_truncated=answer_truncated,
+        vision_images_encoded=int(grid.shape[0]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Log-probs of given sequences (training forward)
+
+
+def sequence_logprobs(
+    policy: Policy,
+    prompts: Sequence[EncodedPrompt],
+    row_prompt: Sequence[int],
+    completions: Sequence[Sequence[int]],
+    *,
+    temperature: float,
+) -> torch.Tensor:
+    """Log-probs of each row's completion tokens given its prompt: rows are prompt ``row_prompt[r]`` followed
+    by ``completions[r]``. Images are encoded once per prompt and shared by the rows (gradients flow back to
+    the vision tower). Returns [N, T] (T = longest completion; padding positions hold 0).
+    """
+    device = policy.device
+    width_prompt = [len(prompts[p].input_ids) for p in row_prompt]
+    lengths = [len(c) for c in completions]
+    width = max(a + b for a, b in zip(width_prompt, lengths))
+    n = len(completions)
+    ids = torch.full((n, width), policy.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for r, (p, completion) in enumerate(zip(row_prompt, completions)):
+        row = prompts[p].input_ids + list(completion)
+        ids[r, : len(row)] = torch.tensor(row)  # right padding: every row starts at position 0
+        mask[r, : len(row)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    used = sorted(set(row_prompt))
+    vision, _ = _encode_images(policy, [prompts[p] for p in used])
+    images_per_prompt = [prompts[p].image_grid_thw.shape[0] for p in used]
+    row_vision = _select_vision_rows(vision, images_per_prompt, [used.index(p) for p in row_prompt])
+    grid = torch.cat([prompts[p].image_grid_thw for p in row_prompt]).to(device)
+    positions = _rope_positions(policy, ids, mask, grid)
+    hidden = policy.model.model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, mm_encoder_outputs={"image": row_vision}
+    ).last_hidden_state  # [N, L, H]
+    longest = max(lengths) if lengths else 0
+    # Hidden states that predict completion token j of row r sit at position width_prompt[r] - 1 + j.
+    gather_at = torch.zeros((n, longest), dtype=torch.long)
+    valid = torch.zeros((n, longest), dtype=torch.bool)
+    for r in range(n):
+        gather_at[r, : lengths[r]] = torch.arange(lengths[r]) + width_prompt[r] - 1
+        valid[r, : lengths[r]] = True
+    gather_at, valid = gather_at.to(device), valid.to(device)
+    picked = hidden.gather(1, gather_at[..., None].expand(-1, -1, hidden.shape[-1]))  # [N, T, H]
+    logits = policy.model.lm_head(picked).float() / temperature  # only completion positions: saves [N, L, V]
+    targets = torch.zeros((n, longest), dtype=torch.long)
+    for r, completion in enumerate(completions):
+        targets[r, : lengths[r]] = torch.tensor(list(completion), dtype=torch.long)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.to(device)[..., None]).squeeze(-1)
+    return logprobs.masked_fill(~valid, 0.0)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+

@@ -1,0 +1,143 @@
+"""Samples, completions, tasks, and the task registry.
+
+A task is one file under ``tasks/`` (or any importable module) that calls ``register_task(Task(...))``.
+The core never imports a specific task: ``load_builtin_tasks()`` imports every module of the ``tasks``
+package, and ``import_task_modules()`` imports the extra modules a config names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlm_grpo_ma.coords import CoordinateFrame, Size, to_original_pixels
+
+ImageRef = Any  # a file path (str) or a PIL.Image.Image
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt: image(s) + question, with the ground truth the reward needs."""
+
+    task: str
+    id: str
+    question: str
+    images: tuple[ImageRef, ...]
+    answer: Any
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled (thought, answer) pair and what a reward needs to read it.
+
+    ``input_sizes`` are the (width, height) of each image as the model saw it (after resizing);
+    ``original_sizes`` those of the files. ``frame`` is the coordinate frame the model writes in.
+    """
+
+    thought: str
+    answer: str
+    frame: CoordinateFrame = CoordinateFrame.ABSOLUTE_INPUT
+    input_sizes: tuple[Size, ...] = ()
+    original_sizes: tuple[Size, ...] = ()
+    thought_truncated: bool = False
+    answer_truncated: bool = False
+
+    @property
+    def text(self) -> str:
+        """The whole generated text, thought then answer, as the model wrote it."""
+        return self.thought + self.answer
+
+    def to_original_pixels(self, values: Sequence[float], image_index: int = 0) -> list[float]:
+        """Model-frame ``[x, y, ...]`` -> pixels of original image ``image_index``."""
+        return to_original_pixels(
+            values, self.frame, self.input_sizes[image_index], self.original_sizes[image_index]
+        )
+
+
+RewardFn = Callable[[Completion, Sample], dict[str, float]]
+LoadFn = Callable[..., list[Sample]]  # load(split: str, source: str | None = None) -> list[Sample]
+
+
+@dataclass(frozen=True)
+class Task:
+    """``load(split, source)`` gives samples; ``reward(completion, sample)`` gives ``{"reward": r, part: value}``
+    and never raises on malformed model output; ``instruction`` is appended to each question and tells the
+    model the ``<think>...</think><answer>...</answer>`` format; ``metrics`` names the reward parts worth
+    averaging in logs (e.g. ``iou``); ``reward_weights`` are the default weights of the parts in ``"reward"``
+    (a config can override them)."""
+
+    name: str
+    load: LoadFn
+    reward: RewardFn
+    instruction: str
+    metrics: tuple[str, ...] = ()
+    reward_weights: dict[str, float] = field(default_factory=dict)
+
+
+def weighted_reward(parts: dict[str, float], weights: dict[str, float]) -> float:
+    """The scalar reward: a weighted sum of named reward parts (weights name the parts that count)."""
+    return float(sum(weights[name] * parts[name] for name in weights))
+
+
+_TASKS: dict[str, Task] = {}
+
+
+def register_task(task: Task) -> Task:
+    if task.name in _TASKS:
+        raise ValueError(f"task {task.name!r} is already registered; task names must be unique")
+    _TASKS[task.name] = task
+    return task
+
+
+def get_task(name: str) -> Task:
+    load_builtin_tasks()
+    try:
+        return _TASKS[name]
+    except KeyError:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}") from None
+
+
+def list_tasks() -> list[str]:
+    load_builtin_tasks()
+    return sorted(_TASKS)
+
+
+_builtins_loaded = False
+
+
+def load_builtin_tasks() -> None:
+    """Import every module of the ``tasks`` package once (each registers itself)."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    import tasks
+
+    for info in pkgutil.iter_modules(tasks.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"tasks.{info.name}")
+
+
+def import_task_modules(modules: Sequence[str]) -> None:
+    """Import out-of-tree task modules: dotted module names or paths to ``.py`` files."""
+    for module in modules:
+        if module.endswith(".py"):
+            path = Path(module).resolve()
+            if not path.is_file():
+                raise FileNotFoundError(f"task module file not found: {path}")
+            name = f"user_task_{path.stem}"
+            if name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        else:
+            importlib.import_module(module)
