@@ -79,10 +79,11 @@ def grpo_advantages(
     eps: float = 1e-6,
     unbiased: bool = False,
 ) -> torch.Tensor:
-    """Plain GRPO: ``rewards[B, G]`` -> ``advantages[B, G]``, normalised over the G completions of a prompt."""
+    """Plain GRPO: ``rewards[B, G]`` -> ``advantages[B, G]``, normalised over a prompt's G completions."""
     if rewards.ndim != 2:
         raise ValueError(
-            f"grpo_advantages expects rewards of shape [B, G] (prompts, completions), got {tuple(rewards.shape)}"
+            "grpo_advantages expects rewards of shape [B, G] (prompts, completions), "
+            f"got {tuple(rewards.shape)}"
         )
     return group_normalize(rewards, dim=-1, scale_by_std=scale_by_std, eps=eps, unbiased=unbiased)
 

@@ -74,7 +74,9 @@ def clipped_surrogate(
     the unbounded negative-advantage branch has not been a problem; add it here if it becomes one.
     """
     if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+        raise ValueError(
+            f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}"
+        )
     log_ratio = (logprobs - old_logprobs).clamp(-max_log_ratio, max_log_ratio)  # [N, T]
     ratio = torch.exp(log_ratio)  # [N, T]
     unclipped_objective = ratio * advantages  # [N, T]
@@ -167,7 +169,9 @@ def policy_loss(
         weight_sum = token_weights.detach().sum()
         stats = {
             "clip_fraction_sum": (token_weights.detach() * clipped.to(token_weights.dtype)).sum(),
-            "kl_sum": (token_weights.detach() * kl.detach()).sum() if kl is not None else torch.zeros_like(weight_sum),
+            "kl_sum": (token_weights.detach() * kl.detach()).sum()
+            if kl is not None
+            else torch.zeros_like(weight_sum),
             "weight_sum": weight_sum,
         }
     return loss, stats

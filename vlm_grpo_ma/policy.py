@@ -14,6 +14,7 @@ shorter thought would then see its answer shifted in RoPE position and get diffe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +74,16 @@ class Policy:
     @property
     def image_token_id(self) -> int:
         return self.model.config.image_token_id
+
+    @functools.cached_property
+    def suppressed_token_ids(self) -> list[int]:
+        """Vision placeholder tokens: never sampled (a generated <|image_pad|> would be taken for an image slot
+        by the next forward). Their logits are set to -inf both when sampling and when scoring, so sampling
+        log-probs and training log-probs stay the same distribution."""
+        names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+        unk = self.tokenizer.unk_token_id
+        ids = {self.tokenizer.convert_tokens_to_ids(name) for name in names}
+        return sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != unk)
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -234,7 +245,8 @@ class TreeSample:
     thought_ids: list[list[int]]
     thought_logprobs: list[list[float]]
     thought_forced: list[list[bool]]  # tokens the policy did not sample (the closing tag of a truncated thought)
-    thought_truncated: list[bool]
+    thought_truncated: list[bool]  # hit max_thought_tokens: "</think>" was forced
+    thought_ended_turn: list[bool]  # the model ended its turn (EOS) inside the thought: no answer is possible
     answer_ids: list[list[int]]
     answer_logprobs: list[list[float]]
     answer_truncated: list[bool]
@@ -260,10 +272,20 @@ class SamplingSettings:
     generator: torch.Generator | None = field(default=None, repr=False)
 
 
-def _sample_tokens(logits: torch.Tensor, settings: SamplingSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens [N], log-probs [N] under softmax(logits / temperature))."""
-    scaled = logits.float() / settings.temperature
-    logprobs = torch.log_softmax(scaled, dim=-1)  # [N, V]
+def _policy_logprobs(logits: torch.Tensor, temperature: float, suppressed: list[int]) -> torch.Tensor:
+    """The policy's distribution: log softmax(logits / temperature) with the suppressed tokens removed.
+    Used both for sampling and for training, so the two never disagree."""
+    scaled = logits.float() / temperature
+    if suppressed:
+        scaled[..., suppressed] = float("-inf")
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def _sample_tokens(
+    logits: torch.Tensor, settings: SamplingSettings, suppressed: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens [N], their log-probs [N] under the policy's distribution)."""
+    logprobs = _policy_logprobs(logits, settings.temperature, suppressed)  # [N, V]
     probs = logprobs.exp()
     if settings.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -315,7 +337,7 @@ def _decode(
     final_logits = state.logits.clone()
     suffix_len = len(forced_suffix) if forced_suffix else 0
     for step in range(max_tokens):
-        sampled, sampled_logprobs = _sample_tokens(state.logits, settings)
+        sampled, sampled_logprobs = _sample_tokens(state.logits, settings, policy.suppressed_token_ids)
         sampled, sampled_logprobs = sampled.cpu(), sampled_logprobs.float().cpu()
         real = torch.tensor([not d for d in done])
         tokens = torch.where(real, sampled, pad)
@@ -413,6 +435,7 @@ def sample_tree(
         thought_logprobs=thought_logprobs,
         thought_forced=thought_forced,
         thought_truncated=thought_truncated,
+        thought_ended_turn=[bool(ids) and ids[-1] in policy.eos_token_ids for ids in thought_ids],
         answer_ids=answer_ids,
         answer_logprobs=answer_logprobs,
         answer_truncated=answer_truncated,
@@ -466,11 +489,11 @@ def sequence_logprobs(
         valid[r, : lengths[r]] = True
     gather_at, valid = gather_at.to(device), valid.to(device)
     picked = hidden.gather(1, gather_at[..., None].expand(-1, -1, hidden.shape[-1]))  # [N, T, H]
-    logits = policy.model.lm_head(picked).float() / temperature  # only completion positions: saves [N, L, V]
+    logits = policy.model.lm_head(picked)  # only completion positions: saves an [N, L, V] tensor
     targets = torch.zeros((n, longest), dtype=torch.long)
     for r, completion in enumerate(completions):
         targets[r, : lengths[r]] = torch.tensor(list(completion), dtype=torch.long)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.to(device)[..., None]).squeeze(-1)
+    logprobs = _policy_logprobs(logits, temperature, policy.suppressed_token_ids).gather(-1, targets.to(device)[..., None]).squeeze(-1)
     return logprobs.masked_fill(~valid, 0.0)
 
 

@@ -1,0 +1,278 @@
+"""Grounding (referring expression comprehension): given an image and an expression, output the box.
+
+Reward parts (all in [0, 1]):
+  ``format``     1.0 when the whole text is ``<think>...</think><answer>...</answer>`` and the answer holds
+                 exactly one parseable box, else 0.0;
+  ``iou``        IoU, in original-image pixels, between the answer's box and the ground truth; 0.0 without
+                 a single answer tag holding a single finite box;
+  ``acc_iou50``  1.0 when ``iou >= 0.5`` (the RefCOCO accuracy metric), else 0.0;
+  ``reward``     ``weighted_reward(parts, REWARD_WEIGHTS)``; ``acc_iou50`` is logged, not rewarded.
+
+``iou`` does not require the format: a box in a single ``<answer>`` tag is graded even when the think
+part is missing or text surrounds the tags; the format part is what punishes those.
+
+Sources for ``load``: the embedded synthetic shapes set (``data/grounding``, made by
+``data/make_grounding.py``), the project's JSONL, lmms-lab RefCOCO/RefCOCO+/RefCOCOg parquet files,
+and VLM-R1 REC JSON files.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from tasks._common import clip_box, extract_tag, has_think_answer_format, iou, order_corners, parse_box
+from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
+
+NAME = "grounding"
+
+# Short on purpose: the default model is tiny and every prompt token costs CPU time.
+INSTRUCTION = "Think in <think></think>, then answer with the box [x1,y1,x2,y2] in <answer></answer>."
+
+# IoU is the goal; the format bonus is half of a perfect box so that a well-formed wrong answer still
+# beats malformed output early in training without outweighing localisation.
+REWARD_WEIGHTS = {"iou": 1.0, "format": 0.5}
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "grounding"
+EMBEDDED_SPLITS = ("train", "test")
+SOURCE_SUFFIXES = (".jsonl", ".parquet", ".json")
+
+LMMS_REFCOCO_COLUMNS = ("question_id", "image", "answer", "bbox")
+VLM_R1_KEYS = ("image", "problem", "solution")
+
+
+def question_for(expression: str) -> str:
+    """The text the model sees before the trainer appends INSTRUCTION: ``"Locate: <expression>."``."""
+    return f"Locate: {expression.strip().rstrip('.').strip()}."
+
+
+# ---------------------------------------------------------------------------------------------- reward
+
+
+def answer_box(completion: Completion) -> list[float] | None:
+    """The box written in the single ``<answer>`` tag, in the model's frame as written; None if absent.
+
+    None when there is no single complete answer tag (absent, repeated, or cut off) or it holds no single
+    finite box (see ``parse_box``).
+    """
+    answer_text = extract_tag(completion.text, "answer")
+    return parse_box(answer_text) if answer_text is not None else None
+
+
+def box_iou_in_pixels(box: list[float], completion: Completion, sample: Sample) -> float:
+    """IoU of a model-frame box with the ground truth, in original-image pixels.
+
+    The box goes through ``completion.to_original_pixels`` (the one conversion), then its corners are
+    sorted and it is clipped to the original image (the part of a box outside the image is not something
+    the model could have meant). 0.0 when the conversion overflows (a finite 1e308 in the model's frame
+    can become inf in pixels).
+    """
+    pixels = completion.to_original_pixels(box)
+    if not all(math.isfinite(v) for v in pixels):
+        return 0.0
+    clipped = clip_box(order_corners(pixels), sample.meta["width"], sample.meta["height"])
+    return iou(clipped, sample.answer)
+
+
+def reward(completion: Completion, sample: Sample) -> dict[str, float]:
+    """``{"reward", "iou", "format", "acc_iou50"}`` for one completion; never raises on model output.
+
+    ``sample.answer`` is the ground-truth ``[x1, y1, x2, y2]`` in original pixels and
+    ``sample.meta["width"/"height"]`` the original image size.
+    """
+    box = answer_box(completion)
+    overlap = box_iou_in_pixels(box, completion, sample) if box is not None else 0.0
+    parts = {
+        "iou": overlap,
+        "format": float(box is not None and has_think_answer_format(completion.text)),
+        "acc_iou50": float(overlap >= 0.5),
+    }
+    parts["reward"] = weighted_reward(parts, REWARD_WEIGHTS)
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load(split: str = "train", source: str | None = None, *, image_root: str | None = None) -> list[Sample]:
+    """Grounding samples.
+
+    ``source=None``: the embedded split ``data/grounding/{split}.jsonl`` (``split`` in EMBEDDED_SPLITS).
+    Otherwise ``source`` is a local file whose suffix picks the format (``split`` is then ignored):
+      ``.jsonl``   the project's format (see ``data/make_grounding.py``);
+      ``.parquet`` lmms-lab RefCOCO / RefCOCO+ / RefCOCOg;
+      ``.json``    VLM-R1 REC (a list of {image, problem, solution, height, width, ...}).
+    Relative image paths resolve against ``image_root`` when given, else the data file's folder.
+    Each Sample: ``answer`` = ground-truth ``[x1, y1, x2, y2]`` floats in original pixels,
+    ``images`` = (absolute path str or PIL.Image,), ``meta`` = {"width", "height"[, "reference_thought"]}.
+    """
+    if source is None:
+        if split not in EMBEDDED_SPLITS:
+            raise ValueError(
+                f"unknown grounding split {split!r}; embedded splits: {', '.join(EMBEDDED_SPLITS)}"
+            )
+        path = DATA_DIR / f"{split}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"embedded grounding split missing: {path}; run `python data/make_grounding.py`"
+            )
+        return _load_project_jsonl(path, image_root)
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if suffix not in SOURCE_SUFFIXES:
+        raise ValueError(
+            f"unknown grounding source format {suffix or '(no suffix)'!r} for {source!r}; "
+            f"valid suffixes: {', '.join(SOURCE_SUFFIXES)}"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"grounding source file not found: {path}")
+    if suffix == ".jsonl":
+        return _load_project_jsonl(path, image_root)
+    if suffix == ".parquet":
+        return _load_lmms_refcoco_parquet(path, image_root)
+    return _load_vlm_r1_json(path, image_root)
+
+
+def _resolve_image(relative: str, path: Path, image_root: str | None) -> str:
+    root = Path(image_root) if image_root is not None else path.parent
+    return str((root / relative).resolve())
+
+
+def _image_size(image: Any) -> tuple[int, int]:
+    """(width, height) of a path or PIL image; reads only the file header."""
+    if isinstance(image, Image.Image):
+        return image.size
+    with Image.open(image) as opened:
+        return opened.size
+
+
+def _box(values: Any, where: str) -> list[float]:
+    if not isinstance(values, list | tuple) or len(values) != 4:
+        raise ValueError(f"{where}: a box needs 4 numbers [x1, y1, x2, y2], got {values!r}")
+    return [float(v) for v in values]
+
+
+def _require(row: dict, keys: tuple[str, ...], where: str) -> None:
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}; required: {', '.join(keys)}")
+
+
+def _sample(sample_id: str, expression: str, image: Any, box: list[float], meta: dict) -> Sample:
+    if "width" not in meta or "height" not in meta:
+        meta["width"], meta["height"] = _image_size(image)
+    return Sample(
+        task=NAME, id=sample_id, question=question_for(expression), images=(image,), answer=box, meta=meta
+    )
+
+
+def _load_project_jsonl(path: Path, image_root: str | None) -> list[Sample]:
+    """Rows {"id", "image", "expression", "box" x1y1x2y2 pixels, "width"?, "height"?, "reference_thought"?}."""
+    samples = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            row = json.loads(line)
+            _require(row, ("id", "image", "expression", "box"), where)
+            meta = {k: row[k] for k in ("width", "height", "reference_thought") if k in row}
+            image = _resolve_image(row["image"], path, image_root)
+            samples.append(_sample(str(row["id"]), row["expression"], image, _box(row["box"], where), meta))
+    return samples
+
+
+def _load_lmms_refcoco_parquet(path: Path, image_root: str | None) -> list[Sample]:
+    """lmms-lab RefCOCO/RefCOCO+/RefCOCOg parquet: one Sample per row, image decoded lazily from bytes.
+
+    In these files ``question`` is a fixed captioning prompt ("Please carefully observe the area circled
+    in the image and come up with a caption for the area.") and ``answer`` is the list of referring
+    expressions for the box, so the expression is taken from ``answer``. We use the first expression only,
+    one Sample per box; lmms-eval's ``refcoco_bbox_rec`` tasks instead make one item per expression, so
+    its Acc@0.5 averages over more (and differently weighted) items than ours.
+    ``bbox`` is COCO ``[x, y, w, h]`` in absolute pixels, converted to ``[x, y, x + w, y + h]``.
+    """
+    import pyarrow.parquet as pq
+
+    columns = pq.read_schema(path).names
+    missing = [c for c in LMMS_REFCOCO_COLUMNS if c not in columns]
+    if missing:
+        raise ValueError(
+            f"{path}: not an lmms-lab RefCOCO parquet, missing columns {', '.join(missing)}; "
+            f"required: {', '.join(LMMS_REFCOCO_COLUMNS)}"
+        )
+    wanted = [c for c in (*LMMS_REFCOCO_COLUMNS, "file_name") if c in columns]
+    samples = []
+    for row in pq.read_table(path, columns=wanted).to_pylist():
+        where = f"{path}: question_id {row['question_id']}"
+        expressions = [row["answer"]] if isinstance(row["answer"], str) else list(row["answer"] or [])
+        if not expressions or not str(expressions[0]).strip():
+            raise ValueError(f"{where}: no referring expression in 'answer'")
+        x, y, w, h = _box(row["bbox"], where)
+        image = _parquet_image(row["image"], path, image_root, where)
+        meta = {"file_name": row["file_name"]} if row.get("file_name") else {}
+        samples.append(
+            _sample(str(row["question_id"]), str(expressions[0]), image, [x, y, x + w, y + h], meta)
+        )
+    return samples
+
+
+def _parquet_image(cell: Any, path: Path, image_root: str | None, where: str) -> Any:
+    """A Hugging Face ``Image`` feature cell {"bytes", "path"} -> lazily opened PIL image (or a path).
+
+    ``Image.open`` on bytes reads only the header; pixels are decoded when the policy first uses the
+    image, so a whole RefCOCO split does not sit decoded in memory.
+    """
+    if isinstance(cell, dict) and cell.get("bytes"):
+        return Image.open(io.BytesIO(cell["bytes"]))
+    if isinstance(cell, dict) and cell.get("path"):
+        return _resolve_image(cell["path"], path, image_root)
+    raise ValueError(f"{where}: image cell has neither bytes nor path")
+
+
+def _load_vlm_r1_json(path: Path, image_root: str | None) -> list[Sample]:
+    """VLM-R1 REC JSON: a list of {image, problem, solution [x1,y1,x2,y2] pixels, width, height, ...}.
+
+    ``problem`` is the referring expression; ``normalized_solution`` (0-1000) is ignored because the
+    ground truth is kept in original pixels and every model frame converts to pixels through the
+    Completion. ``image`` may be a one-element list (VLM-R1's JSONL variant).
+    """
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f)
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: a VLM-R1 REC file is a JSON list of rows, got {type(rows).__name__}")
+    samples = []
+    for index, row in enumerate(rows):
+        where = f"{path}: row {index}"
+        _require(row, VLM_R1_KEYS, where)
+        image_ref = (
+            row["image"][0] if isinstance(row["image"], list) and len(row["image"]) == 1 else row["image"]
+        )
+        if not isinstance(image_ref, str):
+            raise ValueError(f"{where}: 'image' must be one path, got {row['image']!r}")
+        solution = row["solution"]
+        box = parse_box(solution) if isinstance(solution, str) else solution
+        meta = {k: row[k] for k in ("width", "height") if k in row}
+        expression = str(row["problem"]).replace("<image>", "")
+        image = _resolve_image(image_ref, path, image_root)
+        samples.append(
+            _sample(str(row.get("id", f"{path.stem}_{index}")), expression, image, _box(box, where), meta)
+        )
+    return samples
+
+
+TASK = register_task(
+    Task(
+        name=NAME,
+        load=load,
+        reward=reward,
+        instruction=INSTRUCTION,
+        metrics=("iou", "format", "acc_iou50"),
+        reward_weights=dict(REWARD_WEIGHTS),
+    )
+)

@@ -1,0 +1,72 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is a folder ``checkpoints/step-NNNNNN`` holding the model as a loadable Hugging Face folder
+(``model/``: weights + processor, so a checkpoint is also a model path for evaluation) and ``state.pt``
+(optimizer, scheduler, RNG states, data position, step, metric history). It is written to a temporary
+folder and renamed into place, so a crash mid-write never leaves a half checkpoint that resume would pick.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+_STEP_DIR = re.compile(r"^step-(\d{6})$")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "state.pt").is_file()]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, *, model, processor, training_state: dict, keep: int) -> Path:
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp / "model")
+    processor.save_pretrained(tmp / "model")
+    torch.save({**training_state, "step": step, "rng": rng_state()}, tmp / "state.pt")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_training_state(path: Path) -> dict:
+    return torch.load(Path(path) / "state.pt", weights_only=False)

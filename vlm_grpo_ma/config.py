@@ -1,0 +1,286 @@
+"""One typed config tree: dataclass defaults (= the embedded default run), a YAML file, dotted CLI overrides.
+
+``load_config(path, overrides)`` merges, type-checks and validates; every error names the key and, where
+the value must be one of a set, the valid choices. Derived values are computed (``Config.answers_per_prompt``),
+never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and the valid choices."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "tiny"  # "tiny" = the embedded model; else a hub id or local path of a Qwen-VL model
+    dtype: str = "float32"
+    attn_implementation: str = "auto"  # auto: flash_attention_2 when installed on a GPU, else sdpa
+    min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
+    max_pixels: int | None = None
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    num_thoughts: int = 4  # K
+    num_answers: int = 4  # M; 1 = plain GRPO
+    max_thought_tokens: int = 40
+    max_answer_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    truncated_thoughts: str = "close"  # close: force "</think>" and score normally; zero: force it, score 0
+    thought_stop: str = "</think>"
+    answer_stop: str = "</answer>"
+
+
+@dataclass
+class AlgorithmConfig:
+    answer_baseline: str = "prompt"  # normalise answer rewards over the prompt's K*M answers, or "thought": its M
+    scale_by_std: bool = True
+    std_unbiased: bool = False
+    eps: float = 1e-6
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # asymmetric ("clip-higher", DAPO arXiv 2503.14476)
+    kl_coef: float = 0.0  # > 0 loads a frozen reference policy and adds k3 KL
+    num_iterations: int = 1  # policy updates per rollout; > 1 reuses it with importance ratios
+
+
+@dataclass
+class DataConfig:
+    task: str = "grounding"
+    split: str = "train"
+    source: str | None = None  # a local file in a format the task loads; None = the embedded data
+    task_modules: list[str] = field(default_factory=list)  # extra task modules (dotted names or .py paths)
+    reward_weights: dict[str, float] = field(default_factory=dict)  # override the task's default weights
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    prompts_per_step: int = 4  # B; rows per step = B * K * M
+    micro_batch_rows: int = 32  # answer rows per forward/backward
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    output_dir: str = "runs/grounding-tiny"
+    checkpoint_every: int = 20
+    keep_checkpoints: int = 2
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    rollout_samples_per_step: int = 2  # rollouts dumped to rollouts.jsonl per step
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def answers_per_prompt(self) -> int:
+        return self.rollout.num_thoughts * self.rollout.num_answers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
+    "rollout.truncated_thoughts": ("close", "zero"),
+    "algorithm.answer_baseline": ("prompt", "thought"),
+    "train.lr_schedule": ("constant", "linear", "cosine"),
+}
+POSITIVE = (
+    "rollout.num_thoughts",
+    "rollout.num_answers",
+    "rollout.max_thought_tokens",
+    "rollout.max_answer_tokens",
+    "rollout.temperature",
+    "algorithm.num_iterations",
+    "train.steps",
+    "train.prompts_per_step",
+    "train.micro_batch_rows",
+    "train.learning_rate",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "logging.log_every",
+)
+NON_NEGATIVE = (
+    "algorithm.eps",
+    "algorithm.clip_low",
+    "algorithm.clip_high",
+    "algorithm.kl_coef",
+    "train.weight_decay",
+    "train.warmup_steps",
+    "train.max_grad_norm",
+    "train.num_threads",
+    "logging.rollout_samples_per_step",
+)
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def validate(cfg: Config) -> Config:
+    for key, choices in CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid; choose one of: {', '.join(choices)}")
+    for key in POSITIVE:
+        if not _get(cfg, key) > 0:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be > 0")
+    for key in NON_NEGATIVE:
+        if not _get(cfg, key) >= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
+    if cfg.rollout.num_thoughts < 2:
+        raise ConfigError(
+            f"rollout.num_thoughts={cfg.rollout.num_thoughts} must be >= 2: advantages are normalised over the"
+            " thoughts of a prompt, so a single thought always gets advantage 0"
+        )
+    if cfg.algorithm.answer_baseline == "thought" and cfg.rollout.num_answers < 2:
+        raise ConfigError(
+            "algorithm.answer_baseline='thought' needs rollout.num_answers >= 2 (with one answer per thought"
+            " every answer advantage would be 0); use answer_baseline='prompt' for plain GRPO"
+        )
+    for name, weight in cfg.data.reward_weights.items():
+        if not isinstance(weight, (int, float)):
+            raise ConfigError(f"data.reward_weights.{name}={weight!r} must be a number")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Merging YAML and overrides into the typed tree
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Coerce ``value`` to the field's annotated type or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(key, value, arg)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        return [_check_type(key, v, typing.get_args(annotation)[0]) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping")
+        return {str(k): _check_type(f"{key}.{k}", v, typing.get_args(annotation)[1]) for k, v in value.items()}
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}={value!r} must be a number")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r} must be a string")
+    return value
+
+
+def _apply(section_obj: Any, section_name: str, values: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(type(section_obj))
+    names = [f.name for f in dataclasses.fields(section_obj)]
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key {section_name}.{key}; valid keys: {', '.join(names)}")
+        setattr(section_obj, key, _check_type(f"{section_name}.{key}", value, hints[key]))
+
+
+def merge(cfg: Config, values: dict[str, Any]) -> Config:
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    for section, section_values in (values or {}).items():
+        if section not in sections:
+            raise ConfigError(f"unknown config section {section!r}; valid sections: {', '.join(sections)}")
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping, got {section_values!r}")
+        _apply(getattr(cfg, section), section, section_values)
+    return cfg
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``rollout.num_answers=8`` -> {"rollout": {"num_answers": 8}} (values parsed as YAML scalars)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. rollout.num_answers=8)")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) < 2:
+        raise ConfigError(f"override key {dotted!r} must be section.key (e.g. rollout.num_answers)")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    nested: dict[str, Any] = {parts[-1]: value}
+    for part in reversed(parts[1:-1]):
+        nested = {part: nested}
+    return {parts[0]: nested}
+
+
+def _deep_update(base: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    for text in overrides or []:
+        _deep_update(values, parse_override(text))
+    return validate(merge(Config(), values))
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,106 @@
+"""Run outputs: metrics.jsonl + TensorBoard, rollouts.jsonl, the progress bar, and the final summary."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class RunLogger:
+    """Writes one JSON line per logged step (and TensorBoard scalars); only the main process makes one."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, progress_bar: bool, total_steps: int, start_step: int):
+        self.run_dir = Path(run_dir)
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self.rollouts_file = open(self.run_dir / "rollouts.jsonl", "a")
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress_bar, unit="step", dynamic_ncols=True)
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        self.metrics_file.write(json.dumps({"step": step, **clean}) + "\n")
+        self.metrics_file.flush()
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(key, value, step)
+        postfix = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}"}
+        if "reward/iou" in metrics:
+            postfix["iou"] = f"{metrics['reward/iou']:.3f}"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def log_rollouts(self, records: list[dict]) -> None:
+        for record in records:
+            self.rollouts_file.write(json.dumps(record) + "\n")
+        self.rollouts_file.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        self.metrics_file.close()
+        self.rollouts_file.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl, keeping the last record of each step (a resumed run may have re-logged some)."""
+    by_step: dict[int, dict] = {}
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                by_step[record["step"]] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _std(values: list[float]) -> float:
+    values = [v for v in values if v is not None]
+    if len(values) < 2:
+        return float("nan")
+    mean = _mean(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def summarize(records: list[dict], keys: tuple[str, ...] = ("reward/mean", "reward/iou")) -> dict:
+    """Mean of each key over the first and the last fifth of the steps, their difference, and the
+    step-to-step noise (standard deviation of the per-step values within the last fifth) to compare it with."""
+    fifth = max(1, len(records) // 5)
+    first, last = records[:fifth], records[-fifth:]
+    summary: dict = {"steps": len(records), "steps_per_fifth": fifth}
+    for key in keys:
+        if not any(key in r for r in records):
+            continue
+        a = _mean([r.get(key) for r in first])
+        b = _mean([r.get(key) for r in last])
+        summary[key] = {
+            "first_fifth": a,
+            "last_fifth": b,
+            "gain": b - a,
+            "step_noise_std": _std([r.get(key) for r in last]),
+        }
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"summary over {summary['steps']} steps (fifths of {summary['steps_per_fifth']} steps):"]
+    for key, value in summary.items():
+        if isinstance(value, dict) and "first_fifth" in value:
+            lines.append(
+                f"  {key:<14} first fifth {value['first_fifth']:.4f}   last fifth {value['last_fifth']:.4f}"
+                f"   gain {value['gain']:+.4f}   (step-to-step std {value['step_noise_std']:.4f})"
+            )
+    return "\n".join(lines)

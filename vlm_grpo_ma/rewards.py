@@ -1,0 +1,74 @@
+"""Route each completion to its task's reward; a raising reward is caught, scored 0 and counted."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from vlm_grpo_ma.registry import Task, get_task, weighted_reward
+from vlm_grpo_ma.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScoredRollout:
+    rewards: torch.Tensor  # [B, K, M]
+    parts: dict[str, torch.Tensor]  # name -> [B, K, M] (NaN where a completion's task has no such part)
+    per_answer_parts: list[dict[str, float]]  # [B * K * M], answer-row order (for rollout dumps)
+    counters: Counter = field(default_factory=Counter)  # reward_errors, thought_ended_turn, thought_truncated
+
+
+def reward_weights_for(task: Task, overrides: dict[str, float]) -> dict[str, float]:
+    unknown = sorted(set(overrides) - set(task.reward_weights) - set(task.metrics))
+    if unknown:
+        valid = sorted(set(task.reward_weights) | set(task.metrics))
+        raise ValueError(f"data.reward_weights names unknown parts {unknown} of task {task.name!r}; valid: {valid}")
+    return {**task.reward_weights, **overrides}
+
+
+def score_rollout(
+    rollout: Rollout, *, weight_overrides: dict[str, float] | None = None, truncated_thoughts: str = "close"
+) -> ScoredRollout:
+    """Score every answer. A thought that ended the turn scores 0; so does a truncated thought when
+    ``truncated_thoughts == "zero"``."""
+    counters: Counter = Counter()
+    flat_rewards: list[float] = []
+    flat_parts: list[dict[str, float]] = []
+    tree = rollout.tree
+    for a, completion in enumerate(rollout.completions):
+        b, _, _ = rollout.indices(a)
+        sample = rollout.samples[b]
+        task = get_task(sample.task)
+        weights = reward_weights_for(task, weight_overrides or {})
+        t = a // rollout.num_answers
+        try:
+            parts = dict(task.reward(completion, sample))
+            reward = weighted_reward(parts, weights)
+        except Exception as error:  # a reward must never stop training: score 0, count, log once per kind
+            counters["reward_errors"] += 1
+            if counters["reward_errors"] == 1:
+                log.warning("reward of task %s raised %r on sample %s; scored 0", task.name, error, sample.id)
+            parts, reward = {}, 0.0
+        if tree.thought_ended_turn[t]:
+            reward = 0.0
+            counters["answers_after_ended_turn"] += 1
+        elif tree.thought_truncated[t] and truncated_thoughts == "zero":
+            reward = 0.0
+        parts["reward"] = reward
+        flat_rewards.append(reward)
+        flat_parts.append(parts)
+    for t in range(len(tree.thought_ids)):
+        counters["thought_truncated"] += int(tree.thought_truncated[t])
+        counters["thought_ended_turn"] += int(tree.thought_ended_turn[t])
+    shape = (rollout.num_prompts, rollout.num_thoughts, rollout.num_answers)
+    names = sorted({name for parts in flat_parts for name in parts})
+    parts_tensors = {
+        name: torch.tensor([p.get(name, float("nan")) for p in flat_parts], dtype=torch.float32).view(shape)
+        for name in names
+    }
+    rewards = torch.tensor(flat_rewards, dtype=torch.float32).view(shape)
+    return ScoredRollout(rewards=rewards, parts=parts_tensors, per_answer_parts=flat_parts, counters=counters)

@@ -1,0 +1,68 @@
+"""K thoughts x M answers per prompt -> a Rollout with explicit (prompt, thought, answer) indices."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vlm_grpo_ma.policy import EncodedPrompt, Policy, SamplingSettings, TreeSample, sample_tree
+from vlm_grpo_ma.registry import Completion, Sample
+
+
+@dataclass
+class Rollout:
+    """The sampling tree of one step. Answer row ``a = (b * K + k) * M + m``; thought row ``t = b * K + k``."""
+
+    samples: list[Sample]  # [B]
+    prompts: list[EncodedPrompt]  # [B]
+    num_thoughts: int  # K
+    num_answers: int  # M
+    tree: TreeSample
+    completions: list[Completion]  # [B * K * M], answer-row order
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.samples)
+
+    def thought_row(self, b: int, k: int) -> int:
+        return b * self.num_thoughts + k
+
+    def answer_row(self, b: int, k: int, m: int) -> int:
+        return self.thought_row(b, k) * self.num_answers + m
+
+    def indices(self, answer_row: int) -> tuple[int, int, int]:
+        """(prompt b, thought k, answer m) of an answer row."""
+        thought_row, m = divmod(answer_row, self.num_answers)
+        b, k = divmod(thought_row, self.num_thoughts)
+        return b, k, m
+
+
+def generate_rollout(
+    policy: Policy,
+    samples: Sequence[Sample],
+    prompts: Sequence[EncodedPrompt],
+    *,
+    num_thoughts: int,
+    num_answers: int,
+    settings: SamplingSettings,
+) -> Rollout:
+    tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=settings)
+    decode = policy.tokenizer.decode
+    thought_texts = [decode(ids, skip_special_tokens=False) for ids in tree.thought_ids]
+    special = set(policy.eos_token_ids) | {policy.pad_token_id}
+    completions = []
+    for a, answer_ids in enumerate(tree.answer_ids):
+        t = a // num_answers
+        b = t // num_thoughts
+        completions.append(
+            Completion(
+                thought=thought_texts[t],
+                answer=decode([i for i in answer_ids if i not in special], skip_special_tokens=False),
+                frame=policy.frame,
+                input_sizes=prompts[b].input_sizes,
+                original_sizes=prompts[b].original_sizes,
+                thought_truncated=tree.thought_truncated[t],
+                answer_truncated=tree.answer_truncated[a],
+            )
+        )
+    return Rollout(list(samples), list(prompts), num_thoughts, num_answers, tree, completions)

@@ -1,0 +1,401 @@
+"""GRPO-MA training: ``python -m vlm_grpo_ma.train --task grounding`` (see ``--help``).
+
+The loop in ``train()`` reads top to bottom: draw prompts, sample K thoughts x M answers, score, compute
+advantages, build the batch, update over micro-batches, log, checkpoint. Helpers are called, not inherited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from vlm_grpo_ma import checkpoint as ckpt
+from vlm_grpo_ma.advantages import grpo_ma_advantages
+from vlm_grpo_ma.batch import TrainBatch, build_train_batch
+from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
+from vlm_grpo_ma.data import PromptStream
+from vlm_grpo_ma.loss import policy_loss
+from vlm_grpo_ma.metrics import RunLogger, format_summary, read_metrics, summarize
+from vlm_grpo_ma.policy import (
+    EncodedPrompt,
+    ImageLoadError,
+    Policy,
+    SamplingSettings,
+    count_parameters,
+    encode_prompt,
+    load_policy,
+    sequence_logprobs,
+)
+from vlm_grpo_ma.registry import get_task, import_task_modules
+from vlm_grpo_ma.rewards import ScoredRollout, reward_weights_for, score_rollout
+from vlm_grpo_ma.rollout import Rollout, generate_rollout
+
+log = logging.getLogger("vlm_grpo_ma.train")
+
+
+def make_scheduler(optimizer, cfg: Config):
+    total, warmup = cfg.train.steps, cfg.train.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        if cfg.train.lr_schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if cfg.train.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def draw_prompts(
+    policy: Policy, stream: PromptStream, count: int, instruction_of, counters: Counter
+) -> tuple[list, list[EncodedPrompt]]:
+    """Next ``count`` samples that encode; a broken or missing image is skipped and counted, never fatal."""
+    samples, prompts = [], []
+    attempts = 0
+    while len(samples) < count:
+        sample = stream.next()
+        attempts += 1
+        try:
+            prompts.append(encode_prompt(policy, sample, instruction_of(sample.task)))
+            samples.append(sample)
+        except ImageLoadError as error:
+            counters["skipped_broken_images"] += 1
+            log.warning("skipping sample %s: %s", sample.id, error)
+            if attempts > 10 * count + 100:
+                raise RuntimeError("too many unreadable images in a row; check data.source") from error
+    return samples, prompts
+
+
+def update_policy(
+    policy: Policy, batch: TrainBatch, prompts: list[EncodedPrompt], cfg: Config, accelerator, optimizer, ref_policy
+) -> dict[str, float]:
+    """One optimiser step over micro-batches; token-level mean over the whole step (see loss.policy_loss)."""
+    total_weight = batch.total_weight()
+    stats = Counter()
+    old_logprobs = None
+    if cfg.algorithm.num_iterations > 1:
+        with torch.no_grad():
+            old_logprobs = _logprobs_in_chunks(policy, batch, prompts, cfg)
+    grad_norms = []
+    for _ in range(cfg.algorithm.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        for start in range(0, batch.num_rows, cfg.train.micro_batch_rows):
+            micro = batch.rows(start, start + cfg.train.micro_batch_rows)
+            logprobs = sequence_logprobs(
+                policy, prompts, micro.row_prompt, micro.completion_ids, temperature=cfg.rollout.temperature
+            )
+            device = logprobs.device
+            # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
+            old = logprobs.detach() if old_logprobs is None else old_logprobs[start : start + micro.num_rows]
+            ref = None
+            if ref_policy is not None:
+                with torch.no_grad():
+                    ref = sequence_logprobs(
+                        ref_policy, prompts, micro.row_prompt, micro.completion_ids, temperature=cfg.rollout.temperature
+                    )
+            weights = micro.token_weights.to(device)
+            loss, micro_stats = policy_loss(
+                logprobs,
+                old.to(device),
+                micro.advantages.to(device),
+                weights,
+                clip_low=cfg.algorithm.clip_low,
+                clip_high=cfg.algorithm.clip_high,
+                total_weight=total_weight,
+                kl_coef=cfg.algorithm.kl_coef,
+                ref_logprobs=ref,
+            )
+            accelerator.backward(loss)
+            stats["loss"] += float(loss.detach())
+            for key, value in micro_stats.items():
+                stats[key] += float(value)
+            mismatch = ((logprobs.detach().cpu() - micro.sampling_logprobs).abs() * (micro.token_weights > 0)).max()
+            stats["logprob_mismatch_max"] = max(stats["logprob_mismatch_max"], float(mismatch))
+        grad_norms.append(float(accelerator.clip_grad_norm_(policy.model.parameters(), cfg.train.max_grad_norm)))
+        optimizer.step()
+    weight_sum = max(stats["weight_sum"], 1e-12)
+    return {
+        "train/loss": stats["loss"] / cfg.algorithm.num_iterations,
+        "train/grad_norm": grad_norms[-1],
+        "train/clip_fraction": stats["clip_fraction_sum"] / weight_sum,
+        "train/kl": stats["kl_sum"] / weight_sum,
+        "train/logprob_mismatch_max": stats["logprob_mismatch_max"],
+    }
+
+
+def _logprobs_in_chunks(policy, batch: TrainBatch, prompts, cfg: Config) -> torch.Tensor:
+    chunks = []
+    for start in range(0, batch.num_rows, cfg.train.micro_batch_rows):
+        micro = batch.rows(start, start + cfg.train.micro_batch_rows)
+        lp = sequence_logprobs(policy, prompts, micro.row_prompt, micro.completion_ids, temperature=cfg.rollout.temperature)
+        chunks.append(torch.nn.functional.pad(lp, (0, batch.advantages.shape[1] - lp.shape[1])))
+    return torch.cat(chunks)
+
+
+def rollout_metrics(rollout: Rollout, scored: ScoredRollout, thought_adv: torch.Tensor, task_metrics) -> dict:
+    tree = rollout.tree
+    metrics = {"reward/mean": float(scored.rewards.mean()), "reward/std": float(scored.rewards.std())}
+    for name in task_metrics:
+        if name in scored.parts:
+            values = scored.parts[name]
+            metrics[f"reward/{name}"] = float(values[~values.isnan()].mean())
+    per_thought_mean = scored.rewards.mean(-1)  # [B, K]
+    metrics["advantage/thought_reward_spread"] = float(per_thought_mean.std(-1).mean())
+    metrics["advantage/thought_abs_mean"] = float(thought_adv.abs().mean())
+    metrics["rollout/thought_tokens"] = sum(map(len, tree.thought_ids)) / len(tree.thought_ids)
+    metrics["rollout/answer_tokens"] = sum(map(len, tree.answer_ids)) / len(tree.answer_ids)
+    metrics["rollout/thought_truncated_rate"] = sum(tree.thought_truncated) / len(tree.thought_truncated)
+    return metrics
+
+
+def rollout_records(step: int, rollout: Rollout, scored: ScoredRollout, how_many: int) -> list[dict]:
+    """A readable dump of the first ``how_many`` prompts of the step: thought, answers and their rewards."""
+    records = []
+    for b in range(min(how_many, rollout.num_prompts)):
+        sample = rollout.samples[b]
+        thoughts = []
+        for k in range(rollout.num_thoughts):
+            answers = []
+            for m in range(rollout.num_answers):
+                a = rollout.answer_row(b, k, m)
+                answers.append({"answer": rollout.completions[a].answer, **scored.per_answer_parts[a]})
+            thoughts.append({"thought": rollout.completions[rollout.answer_row(b, k, 0)].thought, "answers": answers})
+        images = [img if isinstance(img, str) else "<in-memory image>" for img in sample.images]
+        records.append(
+            {"step": step, "sample_id": sample.id, "images": images, "question": sample.question, "thoughts": thoughts}
+        )
+    return records
+
+
+def train(cfg: Config, *, resume: bool = False) -> dict:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    set_seed(cfg.train.seed)
+    run_dir = Path(cfg.train.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # --- tasks and data ---------------------------------------------------------------------------------
+    import_task_modules(cfg.data.task_modules)
+    task = get_task(cfg.data.task)
+    reward_weights_for(task, cfg.data.reward_weights)  # fail now, not mid-run, on an unknown part name
+    stream = PromptStream(task.load(cfg.data.split, cfg.data.source), seed=cfg.train.seed)
+
+    # --- model, reference, optimiser ----------------------------------------------------------------------
+    model_path = cfg.model.name_or_path
+    start_step, history_state = 0, None
+    last = ckpt.latest_checkpoint(run_dir) if resume else None
+    if resume and last is None:
+        log.info("--resume: no checkpoint in %s, starting from step 0", run_dir)
+    if last is not None:
+        model_path = str(last / "model")
+        history_state = ckpt.load_training_state(last)
+        start_step = history_state["step"]
+    policy = load_policy(
+        model_path,
+        dtype=cfg.model.dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        min_pixels=cfg.model.min_pixels,
+        max_pixels=cfg.model.max_pixels,
+        device=accelerator.device,
+    )
+    policy.model.train()
+    policy.model.config.use_cache = True
+    if cfg.model.gradient_checkpointing:
+        policy.model.gradient_checkpointing_enable()
+    ref_policy = None
+    if cfg.algorithm.kl_coef > 0:
+        ref_policy = load_policy(cfg.model.name_or_path, dtype=cfg.model.dtype, device=accelerator.device)
+        ref_policy.model.eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(
+        policy.model.parameters(),
+        lr=cfg.train.learning_rate,
+        betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
+        weight_decay=cfg.train.weight_decay,
+    )
+    scheduler = make_scheduler(optimizer, cfg)
+    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    if history_state is not None:
+        optimizer.load_state_dict(history_state["optimizer"])
+        scheduler.load_state_dict(history_state["scheduler"])
+        stream.load_state_dict(history_state["data"])
+        ckpt.set_rng_state(history_state["rng"])
+        log.info("resumed from %s at step %d", last, start_step)
+
+    if accelerator.is_main_process:
+        save_config(cfg, run_dir / "config.yaml")
+        log.info(
+            "model %s (%s, %d parameters, attention %s, coordinate frame %s); task %s with %d samples; "
+            "K=%d thoughts x M=%d answers",
+            cfg.model.name_or_path,
+            type(policy.model).__name__,
+            count_parameters(policy.model),
+            policy.model.config._attn_implementation,
+            policy.frame.value,
+            task.name,
+            len(stream.samples),
+            cfg.rollout.num_thoughts,
+            cfg.rollout.num_answers,
+        )
+    logger = RunLogger(
+        run_dir,
+        tensorboard=cfg.logging.tensorboard and accelerator.is_main_process,
+        progress_bar=cfg.logging.progress_bar and accelerator.is_main_process,
+        total_steps=cfg.train.steps,
+        start_step=start_step,
+    )
+    counters = Counter(history_state["counters"]) if history_state else Counter()
+    instruction_of = lambda name: get_task(name).instruction  # noqa: E731
+
+    def save(step: int) -> None:
+        if accelerator.is_main_process:
+            ckpt.save_checkpoint(
+                run_dir,
+                step,
+                model=accelerator.unwrap_model(policy.model),
+                processor=policy.processor,
+                training_state={
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "data": stream.state_dict(),
+                    "counters": dict(counters),
+                },
+                keep=cfg.train.keep_checkpoints,
+            )
+
+    # --- the loop -----------------------------------------------------------------------------------------
+    step = start_step
+    try:
+        while step < cfg.train.steps:
+            started = time.perf_counter()
+            samples, prompts = draw_prompts(policy, stream, cfg.train.prompts_per_step, instruction_of, counters)
+            settings = SamplingSettings(
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                max_thought_tokens=cfg.rollout.max_thought_tokens,
+                max_answer_tokens=cfg.rollout.max_answer_tokens,
+                thought_stop=cfg.rollout.thought_stop,
+                answer_stop=cfg.rollout.answer_stop,
+                # sampling randomness is a function of (seed, step): a resumed run samples the same trees
+                generator=torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step),
+            )
+            policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
+            rollout = generate_rollout(
+                policy,
+                samples,
+                prompts,
+                num_thoughts=cfg.rollout.num_thoughts,
+                num_answers=cfg.rollout.num_answers,
+                settings=settings,
+            )
+            rollout_seconds = time.perf_counter() - started
+            scored = score_rollout(
+                rollout, weight_overrides=cfg.data.reward_weights, truncated_thoughts=cfg.rollout.truncated_thoughts
+            )
+            counters.update(scored.counters)
+            thought_adv, answer_adv = grpo_ma_advantages(
+                scored.rewards,
+                answer_baseline=cfg.algorithm.answer_baseline,
+                scale_by_std=cfg.algorithm.scale_by_std,
+                eps=cfg.algorithm.eps,
+                unbiased=cfg.algorithm.std_unbiased,
+            )
+            batch = build_train_batch(rollout, thought_adv, answer_adv)
+            policy.model.train()
+            update = update_policy(policy, batch, prompts, cfg, accelerator, optimizer, ref_policy)
+            scheduler.step()
+            step += 1
+
+            seconds = time.perf_counter() - started
+            metrics = rollout_metrics(rollout, scored, thought_adv, task.metrics)
+            metrics.update(update)
+            trained_tokens = float(batch.token_weights.sum())
+            metrics.update(
+                {
+                    "time/step_seconds": seconds,
+                    "time/rollout_seconds": rollout_seconds,
+                    "time/trained_tokens_per_second": trained_tokens / seconds,
+                    "train/learning_rate": scheduler.get_last_lr()[0],
+                    "data/epoch": stream.epoch,
+                    **{f"count/{k}": v for k, v in counters.items()},
+                }
+            )
+            if accelerator.is_main_process:
+                if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
+                    logger.log_step(step, metrics)
+                logger.log_rollouts(rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step))
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+                save(step)
+    except BaseException:
+        # Nothing lost on a crash or Ctrl-C: keep the steps done since the last checkpoint.
+        last_saved = ckpt.latest_checkpoint(run_dir)
+        if step > start_step and (last_saved is None or not last_saved.name.endswith(f"{step:06d}")):
+            log.error("interrupted at step %d: saving a checkpoint before exiting", step)
+            save(step)
+        raise
+    finally:
+        logger.close()
+
+    summary = summarize(read_metrics(run_dir))
+    summary["counters"] = dict(counters)
+    if accelerator.is_main_process:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(format_summary(summary), flush=True)
+        print(f"run directory: {run_dir}", flush=True)
+    return summary
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_grpo_ma.train",
+        description="Train a Qwen-VL model with GRPO-MA (K thoughts x M answers per prompt).",
+        epilog="Overrides: section.key=value, e.g. rollout.num_answers=1 rollout.num_thoughts=16 train.steps=50",
+    )
+    parser.add_argument("--config", help="YAML config file (sections: model rollout algorithm data train logging)")
+    parser.add_argument("--task", help="task name (same as data.task=NAME)")
+    parser.add_argument("--output-dir", help="run directory (same as train.output_dir=DIR)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the run directory")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    overrides = list(args.overrides)
+    if args.task:
+        overrides.append(f"data.task={args.task}")
+    if args.output_dir:
+        overrides.append(f"train.output_dir={args.output_dir}")
+    try:
+        cfg = load_config(args.config, overrides)
+        import_task_modules(cfg.data.task_modules)
+        get_task(cfg.data.task)
+    except (ConfigError, KeyError, FileNotFoundError) as error:
+        print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with contextlib.suppress(KeyboardInterrupt):
+        train(cfg, resume=args.resume)
+        return 0
+    return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
