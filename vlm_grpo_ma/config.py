@@ -216,6 +216,11 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}={value!r} must be a number")
     if annotation is str:
         if isinstance(value, str):

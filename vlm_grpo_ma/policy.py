@@ -119,8 +119,13 @@ def load_policy(
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     path = resolve_model_path(name_or_path)
-    if Path(path).exists() is False and "/" not in path:
-        raise FileNotFoundError(f"model.name_or_path {name_or_path!r} is neither a local path nor a hub id")
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
+    if looks_local and not Path(path).expanduser().exists():
+        raise FileNotFoundError(
+            f"model.name_or_path {name_or_path!r}: no such local folder (give a folder, a hub id like"
+            " Qwen/Qwen2.5-VL-3B-Instruct, or 'tiny' for the embedded model)"
+        )
+    path = str(Path(path).expanduser()) if looks_local else path
     config = AutoConfig.from_pretrained(path)
     frame = coordinate_frame_for(config.model_type)
     processor_kwargs = {}

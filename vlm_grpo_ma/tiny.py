@@ -132,11 +132,29 @@ def build_processor(tokenizer=None):
     )
 
 
-def build_config(tokenizer):
+# Model sizes: "tiny" is the embedded default (~1.1M parameters); "10m" is the same architecture scaled up to
+# ~10M parameters, for benchmarks where the tiny model is too small for compute to dominate overheads.
+# head_dim is 32 in both: mrope_section must sum to head_dim / 2.
+SIZES = {
+    "tiny": dict(
+        text_hidden=128, intermediate=384, layers=4, heads=4, kv_heads=2,
+        vision_depth=2, vision_hidden=64, vision_intermediate=128, vision_heads=4, fullatt_blocks=[1],
+    ),
+    "10m": dict(
+        text_hidden=256, intermediate=1024, layers=8, heads=8, kv_heads=4,
+        vision_depth=4, vision_hidden=128, vision_intermediate=512, vision_heads=4, fullatt_blocks=[1, 3],
+    ),
+}  # fmt: skip
+
+
+def build_config(tokenizer, *, size: str = "tiny"):
     from transformers import Qwen2_5_VLConfig
 
-    text_hidden = 128
-    heads = 4  # head_dim 32: mrope_section must sum to head_dim / 2
+    if size not in SIZES:
+        raise ValueError(f"unknown model size {size!r}; known sizes: {', '.join(SIZES)}")
+    dims = SIZES[size]
+    text_hidden = dims["text_hidden"]
+    heads = dims["heads"]  # head_dim 32: mrope_section must sum to head_dim / 2
     return Qwen2_5_VLConfig(
         text_config=dict(
             vocab_size=-(-len(tokenizer) // 64) * 64,  # rounded up to a multiple of 64
@@ -144,26 +162,26 @@ def build_config(tokenizer):
             eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
             pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
             hidden_size=text_hidden,
-            intermediate_size=384,
-            num_hidden_layers=4,
+            intermediate_size=dims["intermediate"],
+            num_hidden_layers=dims["layers"],
             num_attention_heads=heads,
-            num_key_value_heads=2,
+            num_key_value_heads=dims["kv_heads"],
             max_position_embeddings=4096,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
             tie_word_embeddings=True,
             attention_dropout=0.0,
         ),
         vision_config=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
+            depth=dims["vision_depth"],
+            hidden_size=dims["vision_hidden"],
+            intermediate_size=dims["vision_intermediate"],
+            num_heads=dims["vision_heads"],
             out_hidden_size=text_hidden,
             patch_size=14,
             spatial_merge_size=2,
             temporal_patch_size=2,
             window_size=112,
-            fullatt_block_indexes=[1],
+            fullatt_block_indexes=list(dims["fullatt_blocks"]),
         ),
         image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
@@ -176,21 +194,21 @@ def build_config(tokenizer):
     )
 
 
-def build_model(tokenizer, seed: int = 0):
+def build_model(tokenizer, seed: int = 0, *, size: str = "tiny"):
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(build_config(tokenizer))
+    model = Qwen2_5_VLForConditionalGeneration(build_config(tokenizer, size=size))
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     return model
 
 
-def build_untrained(out_dir: Path, seed: int = 0) -> Path:
+def build_untrained(out_dir: Path, seed: int = 0, *, size: str = "tiny") -> Path:
     """Tokenizer + processor + randomly initialised model, saved so ``from_pretrained(out_dir)`` loads it."""
     processor = build_processor()
-    model = build_model(processor.tokenizer, seed=seed)
+    model = build_model(processor.tokenizer, seed=seed, size=size)
     out_dir.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(out_dir)
     model.save_pretrained(out_dir)
@@ -201,9 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=TINY_MODEL_DIR.parent / "tiny-qwen2.5-vl-init")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = parser.parse_args(argv)
-    path = build_untrained(args.out, seed=args.seed)
-    print(f"wrote an untrained tiny Qwen2.5-VL to {path}")
+    path = build_untrained(args.out, seed=args.seed, size=args.size)
+    print(f"wrote an untrained {args.size} Qwen2.5-VL to {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,74 @@
+"""The rollout benchmark: the re-encode baseline must be the same model computing the same distribution as
+the branched path, or its timings compare different work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm_grpo_ma.bench import bench_prompts, bench_rollout, load_bench_policy, reencode_answers, run_branched
+from vlm_grpo_ma.policy import SamplingSettings, _policy_logprobs
+
+K, M = 2, 2
+THOUGHT_TOKENS, ANSWER_TOKENS = 6, 4
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    # One thread: this checks numbers, not speed, and on a busy 2-core machine two OpenMP threads contending
+    # with other processes make each tiny matmul take milliseconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    policy = load_bench_policy("tiny", tmp_path_factory.mktemp("bench"))
+    yield policy, bench_prompts(policy, 1)
+    torch.set_num_threads(threads)
+
+
+def test_rollout_benchmark_paths_agree(tiny_policy):
+    policy, prompts = tiny_policy
+    result = bench_rollout(
+        policy,
+        prompts,
+        num_thoughts=K,
+        num_answers=M,
+        max_thought_tokens=THOUGHT_TOKENS,
+        max_answer_tokens=ANSWER_TOKENS,
+        repeats=1,
+        warmup=0,
+    )
+    assert result["num_answers_branched"] == result["num_answers_reencode"] == K * M
+    assert len(result["first_token_logprobs_reencode"]) == K * M
+    assert result["thoughts_identical"]  # same seed, same stage-1 code
+    # (b)'s log-prob of (a)'s first answer token, after prefilling prompt + image + thought from scratch,
+    # equals (a)'s sampling log-prob from the branched cache.
+    assert result["first_token_max_abs_diff"] <= TOLERANCE
+    assert result["branched_s"] > 0 and result["reencode_s"] > 0
+    assert 1 <= result["answer_tokens_mean_reencode"] <= ANSWER_TOKENS
+
+
+def test_first_token_check_can_fail(tiny_policy):
+    """Negative control for the tolerance above: the untrained model's distribution is nearly flat, so show
+    that re-encoding a wrong context (each thought without its first token) misses by more than it."""
+    policy, prompts = tiny_policy
+
+    def settings():
+        return SamplingSettings(
+            max_thought_tokens=THOUGHT_TOKENS,
+            max_answer_tokens=ANSWER_TOKENS,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    _, tree = run_branched(policy, prompts, num_thoughts=K, num_answers=M, settings=settings())
+    first_tokens = torch.tensor([ids[0] for ids in tree.answer_ids])
+    branched = torch.tensor([lp[0] for lp in tree.answer_logprobs])
+
+    def reencoded(thoughts):
+        *_, logits = reencode_answers(
+            policy, prompts, thoughts, num_thoughts=K, num_answers=M, settings=settings()
+        )
+        logprobs = _policy_logprobs(logits, 1.0, policy.suppressed_token_ids)
+        return logprobs.gather(-1, first_tokens[:, None]).squeeze(-1)
+
+    assert (reencoded(tree.thought_ids) - branched).abs().max() <= TOLERANCE
+    assert (reencoded([ids[1:] for ids in tree.thought_ids]) - branched).abs().max() > 10 * TOLERANCE

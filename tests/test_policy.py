@@ -1,0 +1,159 @@
+"""Tree sampling against a full re-encode, vision-tower call counts, and the K x M structure."""
+
+import pytest
+import torch
+from PIL import Image
+
+from vlm_grpo_ma.coords import CoordinateFrame
+from vlm_grpo_ma.policy import (
+    SamplingSettings,
+    coordinate_frame_for,
+    encode_prompt,
+    sample_tree,
+    sequence_logprobs,
+)
+from vlm_grpo_ma.registry import Sample
+from vlm_grpo_ma.rollout import generate_rollout
+
+
+def _samples(n):
+    # Different question lengths -> different prompt lengths -> left padding in the prefill.
+    colours = [(220, 30, 30), (30, 200, 40), (40, 40, 220), (230, 210, 20)]
+    return [
+        Sample("grounding", str(i), "Locate: the red circle" + " please" * i, (Image.new("RGB", (168, 112), colours[i]),), [0, 0, 1, 1])
+        for i in range(n)
+    ]
+
+
+def _settings(seed=0, **overrides):
+    # thought_stop "e" makes untrained-model thoughts stop at uneven lengths (a real "</think>" is rare)
+    values = dict(temperature=1.0, max_thought_tokens=14, max_answer_tokens=8, thought_stop="e", generator=torch.Generator().manual_seed(seed))
+    values.update(overrides)
+    return SamplingSettings(**values)
+
+
+def _reencoded_logprobs(policy, prompts, tree, num_thoughts, num_answers):
+    rows, completions = [], []
+    for a, answer in enumerate(tree.answer_ids):
+        t = a // num_answers
+        rows.append(t // num_thoughts)
+        completions.append(tree.thought_ids[t] + answer)
+    with torch.no_grad():
+        return sequence_logprobs(policy, prompts, rows, completions, temperature=1.0)
+
+
+def test_branched_answer_logprobs_equal_full_reencode(tiny_policy):
+    k, m = 3, 2
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(3)]
+    tree = sample_tree(tiny_policy, prompts, num_thoughts=k, num_answers=m, settings=_settings())
+    thought_lengths = {len(t) for t in tree.thought_ids}
+    assert len(thought_lengths) >= 3, f"test needs uneven thoughts, got lengths {thought_lengths}"
+    full = _reencoded_logprobs(tiny_policy, prompts, tree, k, m)
+    worst = 0.0
+    for a, answer in enumerate(tree.answer_ids):
+        t = a // m
+        sampled = tree.thought_logprobs[t] + tree.answer_logprobs[a]
+        forced = tree.thought_forced[t] + [False] * len(answer)
+        for j, value in enumerate(sampled):
+            if not forced[j]:
+                worst = max(worst, abs(value - float(full[a, j])))
+    assert worst <= 1e-4
+
+
+def test_reencode_check_can_fail(tiny_policy):
+    """The comparison above detects a one-position shift of the answer (what padded cache slots would cause)."""
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
+    tree = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2, settings=_settings(seed=1))
+    a = next(i for i, ans in enumerate(tree.answer_ids) if len(ans) >= 3)
+    t = a // 2
+    shifted = tree.thought_ids[t] + [tiny_policy.pad_token_id] + tree.answer_ids[a]
+    with torch.no_grad():
+        lp = sequence_logprobs(tiny_policy, prompts, [t // 2], [shifted], temperature=1.0)
+    n = len(tree.thought_ids[t]) + 1
+    diffs = [abs(tree.answer_logprobs[a][j] - float(lp[0, n + j])) for j in range(len(tree.answer_ids[a]))]
+    assert max(diffs) > 1e-3
+
+
+def test_vision_tower_runs_once_per_prompt(tiny_policy):
+    images_seen = []
+    calls = []
+
+    def hook(module, args, kwargs):
+        calls.append(1)
+        images_seen.append(kwargs["grid_thw"].shape[0] if "grid_thw" in kwargs else args[1].shape[0])
+
+    handle = tiny_policy.model.model.visual.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(3)]
+        sample_tree(tiny_policy, prompts, num_thoughts=4, num_answers=4, settings=_settings())
+    finally:
+        handle.remove()
+    assert calls == [1]
+    assert images_seen == [3]  # 3 prompts, 48 answers: each image encoded once
+
+
+def test_rollout_indices_are_explicit(tiny_policy):
+    samples = _samples(2)
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in samples]
+    rollout = generate_rollout(tiny_policy, samples, prompts, num_thoughts=3, num_answers=2, settings=_settings())
+    assert len(rollout.completions) == 12
+    seen = set()
+    for a in range(12):
+        b, k, m = rollout.indices(a)
+        assert rollout.answer_row(b, k, m) == a
+        seen.add((b, k, m))
+        # every answer of a thought carries that thought's text
+        assert rollout.completions[a].thought == rollout.completions[rollout.answer_row(b, k, 0)].thought
+        assert rollout.completions[a].input_sizes == prompts[b].input_sizes
+    assert seen == {(b, k, m) for b in range(2) for k in range(3) for m in range(2)}
+
+
+def test_truncated_thoughts_are_closed_by_forced_tokens(tiny_policy):
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
+    settings = _settings(thought_stop="</think>", max_thought_tokens=6)
+    tree = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=1, settings=settings)
+    close = tiny_policy.tokenizer.encode("</think>", add_special_tokens=False)
+    for ids, forced, truncated, ended in zip(tree.thought_ids, tree.thought_forced, tree.thought_truncated, tree.thought_ended_turn):
+        assert len(ids) <= 6
+        if truncated:
+            assert ids[-len(close):] == close and forced[-len(close):] == [True] * len(close)
+        else:
+            assert not any(forced)
+            assert ended or "</think>" in tiny_policy.tokenizer.decode(ids)
+
+
+def test_vision_placeholder_tokens_are_never_sampled(tiny_policy):
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
+    suppressed = set(tiny_policy.suppressed_token_ids)
+    assert tiny_policy.image_token_id in suppressed
+    # a temperature this high makes the distribution nearly uniform: without suppression these would appear
+    tree = sample_tree(tiny_policy, prompts, num_thoughts=4, num_answers=4, settings=_settings(temperature=50.0, max_thought_tokens=30, thought_stop="</think>"))
+    sampled = {tok for ids in tree.thought_ids + tree.answer_ids for tok in ids}
+    assert not sampled & suppressed
+
+
+def test_same_generator_seed_gives_same_tree(tiny_policy):
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
+    a = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2, settings=_settings(seed=5))
+    b = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2, settings=_settings(seed=5))
+    assert a.thought_ids == b.thought_ids and a.answer_ids == b.answer_ids
+
+
+@pytest.mark.parametrize(
+    "model_type, frame",
+    [("qwen2_5_vl", CoordinateFrame.ABSOLUTE_INPUT), ("qwen2_vl", CoordinateFrame.RELATIVE_1000), ("qwen3_vl", CoordinateFrame.RELATIVE_1000)],
+)
+def test_coordinate_frame_by_model_family(model_type, frame):
+    assert coordinate_frame_for(model_type) is frame
+
+
+def test_unknown_model_family_names_the_supported_ones():
+    with pytest.raises(ValueError, match="qwen2_5_vl"):
+        coordinate_frame_for("llava")
+
+
+def test_input_sizes_follow_the_resized_image(tiny_policy):
+    prompt = encode_prompt(tiny_policy, _samples(1)[0], "Think.")
+    width, height = prompt.input_sizes[0]
+    assert width % 28 == 0 and height % 28 == 0
+    assert prompt.original_sizes[0] == (168, 112)

@@ -1,0 +1,113 @@
+"""End-to-end: a few steps on the untrained tiny model, outputs, crash safety and exact resume."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlm_grpo_ma import train as train_module
+from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
+from vlm_grpo_ma.config import load_config
+
+
+def _cfg(model_dir, out_dir, *extra):
+    return load_config(
+        None,
+        [
+            f"model.name_or_path={model_dir}",
+            f"train.output_dir={out_dir}",
+            "train.steps=4",
+            "train.prompts_per_step=2",
+            "train.micro_batch_rows=3",
+            "rollout.num_thoughts=2",
+            "rollout.num_answers=2",
+            "rollout.max_thought_tokens=8",
+            "rollout.max_answer_tokens=6",
+            "logging.progress_bar=false",
+            "logging.tensorboard=false",
+            *extra,
+        ],
+    )
+
+
+def _weights(checkpoint):
+    return load_file(checkpoint / "model" / "model.safetensors")
+
+
+def test_run_writes_its_outputs(untrained_tiny_dir, tmp_path):
+    cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.checkpoint_every=2", "logging.tensorboard=true")
+    summary = train_module.train(cfg)
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("reward/mean", "reward/iou", "reward/format", "train/loss", "train/grad_norm", "train/clip_fraction",
+                "advantage/thought_reward_spread", "rollout/thought_tokens", "rollout/answer_tokens", "time/step_seconds"):
+        assert key in records[0], key
+    assert records[0]["train/logprob_mismatch_max"] < 1e-4  # training re-scores exactly what was sampled
+    dumps = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert len(dumps[0]["thoughts"]) == 2 and len(dumps[0]["thoughts"][0]["answers"]) == 2
+    assert [p.name for p in list_checkpoints(run)] == ["step-000002", "step-000004"]
+    assert any((run / "tensorboard").iterdir())
+    assert summary["steps"] == 4 and "reward/mean" in summary
+
+
+def test_zero_advantages_leave_the_weights_unchanged(untrained_tiny_dir, tmp_path):
+    # every reward part weighted 0 -> all rewards 0 -> all advantages 0 -> a policy gradient of exactly zero
+    cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "data.reward_weights.format=0", "data.reward_weights.iou=0")
+    train_module.train(cfg)
+    start, after = load_file(untrained_tiny_dir / "model.safetensors"), _weights(latest_checkpoint(tmp_path / "run"))
+    assert all(torch.equal(start[k], after[k]) for k in start)
+
+
+def test_out_of_tree_task_trains_and_moves_the_weights(untrained_tiny_dir, tmp_path):
+    module = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")
+    cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "data.task=answer_length", f"data.task_modules=[{module}]")
+    summary = train_module.train(cfg)
+    start, after = load_file(untrained_tiny_dir / "model.safetensors"), _weights(latest_checkpoint(tmp_path / "run"))
+    assert summary["reward/mean"]["first_fifth"] > 0
+    changed = [k for k in start if not torch.equal(start[k], after[k])]
+    assert len(changed) > len(start) // 2
+
+
+def test_crash_keeps_progress_and_resume_is_exact(untrained_tiny_dir, tmp_path, monkeypatch):
+    straight_dir, crashed_dir = tmp_path / "straight", tmp_path / "crashed"
+    train_module.train(_cfg(untrained_tiny_dir, straight_dir, "train.checkpoint_every=100"))
+
+    real_update = train_module.update_policy
+    calls = {"n": 0}
+
+    def failing_update(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash in step 3")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "update_policy", failing_update)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_module.train(_cfg(untrained_tiny_dir, crashed_dir, "train.checkpoint_every=100"))
+    assert [p.name for p in list_checkpoints(crashed_dir)] == ["step-000002"]  # saved on the way down
+
+    monkeypatch.setattr(train_module, "update_policy", real_update)
+    train_module.train(_cfg(untrained_tiny_dir, crashed_dir, "train.checkpoint_every=100"), resume=True)
+    a, b = _weights(latest_checkpoint(straight_dir)), _weights(latest_checkpoint(crashed_dir))
+    assert latest_checkpoint(crashed_dir).name == "step-000004"
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    straight = [json.loads(x) for x in (straight_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(x) for x in (crashed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward/mean"] for r in straight] == [r["reward/mean"] for r in resumed]
+    assert [r["rollout/thought_tokens"] for r in straight] == [r["rollout/thought_tokens"] for r in resumed]
+
+
+def test_cli_rejects_a_bad_value_before_loading_anything(capsys):
+    code = train_module.main(["--task", "grounding", "rollout.num_answers=0"])
+    assert code == 2
+    assert "rollout.num_answers=0 must be > 0" in capsys.readouterr().err
+
+
+def test_cli_rejects_an_unknown_task(capsys):
+    code = train_module.main(["--task", "groundin"])
+    assert code == 2
+    assert "unknown task 'groundin'; known tasks: grounding" in capsys.readouterr().err
