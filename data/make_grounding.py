@@ -3,7 +3,7 @@
 ``python data/make_grounding.py`` rewrites ``data/grounding/{train,test}.jsonl`` and the PNGs under
 ``data/grounding/images/``. Everything follows from two fixed seeds, so the files are reproducible.
 
-A scene is a 168x168 RGB image on a plain light background holding 2-4 non-overlapping flat shapes
+A scene is a 168x168 RGB image on a light background (with a faint colour ramp, see RAMP) holding 2-4 non-overlapping flat shapes
 (circle / square / triangle; red / green / blue / yellow; small 18-26 px or large 36-50 px). One object
 is the target. Its expression names the shape plus the fewest attributes that single it out
 ("the circle", "the red circle", "the small square", "the large blue triangle"); when no attribute set
@@ -203,6 +203,26 @@ def _place(rng: random.Random, sides: Sequence[int]) -> list[tuple[int, int]] | 
     return corners
 
 
+# The background carries a faint colour ramp: red falls from left to right, blue from top to bottom
+# (RAMP levels over the image). A 1M-parameter model cannot learn absolute positions from mRoPE alone in
+# minutes (RoPE shapes attention scores, not the values a box is read from); the ramp puts "where" into
+# the pixels every patch embedding sees. Real photographs do not need it.
+RAMP = 48
+
+
+def _background(red: int, green: int, blue: int) -> Image.Image:
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE))
+    step = RAMP / (IMAGE_SIZE - 1)
+    image.putdata(
+        [
+            (round(red - step * x), green, round(blue - step * y))
+            for y in range(IMAGE_SIZE)
+            for x in range(IMAGE_SIZE)
+        ]
+    )
+    return image
+
+
 def make_scene(rng: random.Random) -> tuple[Image.Image, list[SceneObject], int, str]:
     """One scene: (image, objects, target index, expression). Draws again until the target is nameable."""
     while True:
@@ -213,8 +233,7 @@ def make_scene(rng: random.Random) -> tuple[Image.Image, list[SceneObject], int,
         if corners is None:
             continue
         shade = rng.randint(232, 250)
-        background = (shade, shade - rng.randint(0, 6), shade - rng.randint(0, 10))
-        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), background)
+        image = _background(shade, shade - rng.randint(0, 6), shade - rng.randint(0, 10))
         objects = []
         for (shape, colour, size), side, (x, y) in zip(attributes, sides, corners, strict=True):
             mask = _draw_mask(shape, x, y, side)

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -66,8 +67,18 @@ def load_bench_policy(size: str, workdir: Path, *, image_size: int | None = None
     from vlm_grpo_ma.tiny import build_untrained
 
     path = build_untrained(Path(workdir) / size, size=size)
-    max_pixels = image_size * image_size if image_size else None
-    return load_policy(str(path), dtype="float32", attn_implementation="sdpa", max_pixels=max_pixels)
+    policy = load_policy(str(path), dtype="float32", attn_implementation="sdpa")
+    policy.model.eval()
+    if image_size:
+        # Set on the image processor, not through load_policy(max_pixels=...): transformers 5.24 warns that
+        # min_pixels / max_pixels processor kwargs are deprecated in favour of size={...}.
+        image_processor = policy.processor.image_processor
+        longest = max(image_processor.size["longest_edge"], image_size * image_size)
+        image_processor.size = {
+            "shortest_edge": image_processor.size["shortest_edge"],
+            "longest_edge": longest,
+        }
+    return policy
 
 
 def bench_prompts(policy: Policy, num_prompts: int, *, image_size: int | None = None) -> list[EncodedPrompt]:
@@ -262,20 +273,33 @@ def bench_rollout(
 
     k, m = num_thoughts, num_answers
     times = {"branched": [], "reencode": []}
+    tree = None
     for round_ in range(warmup + repeats):
+        # Order a, b then b, a (ABBA): a drift in machine speed (another process starting or ending) then
+        # hits both paths alike. A b-first round reuses the previous round's tree; with the same seed every
+        # round's tree is the same.
+        b_first = round_ % 2 == 1 and tree is not None
+        if b_first:
+            reference = tree
+            reencode, first_logits = run_reencode(
+                policy, prompts, reference, num_thoughts=k, num_answers=m, settings=settings()
+            )
         branched, tree = run_branched(policy, prompts, num_thoughts=k, num_answers=m, settings=settings())
-        reencode, first_logits = run_reencode(
-            policy, prompts, tree, num_thoughts=k, num_answers=m, settings=settings()
-        )
+        if not b_first:
+            reference = tree
+            reencode, first_logits = run_reencode(
+                policy, prompts, reference, num_thoughts=k, num_answers=m, settings=settings()
+            )
         if round_ >= warmup:
             times["branched"].append(branched)
             times["reencode"].append(reencode)
 
-    # The last round's trees: (b)'s log-prob of (a)'s first answer token vs (a)'s sampling log-prob.
-    first_tokens = torch.tensor([ids[0] for ids in tree.answer_ids])
+    # The last round: (b)'s log-prob of (a)'s first answer token vs (a)'s sampling log-prob, for the tree
+    # whose thoughts (b) re-encoded.
+    first_tokens = torch.tensor([ids[0] for ids in reference.answer_ids])
     reencode_first = _policy_logprobs(first_logits, temperature, policy.suppressed_token_ids).cpu()
     reencode_first = reencode_first.gather(-1, first_tokens[:, None]).squeeze(-1)
-    branched_first = torch.tensor([lp[0] for lp in tree.answer_logprobs])
+    branched_first = torch.tensor([lp[0] for lp in reference.answer_logprobs])
 
     def median(path: str, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in times[path])
@@ -293,8 +317,8 @@ def bench_rollout(
         "seed": seed,
         "num_answers_branched": len(branched.answer_ids),
         "num_answers_reencode": len(reencode.answer_ids),
-        "thought_tokens_mean": _mean_len(tree.thought_ids),
-        "thoughts_identical": reencode.thought_ids == tree.thought_ids,
+        "thought_tokens_mean": _mean_len(reference.thought_ids),
+        "thoughts_identical": reencode.thought_ids == reference.thought_ids,
         "answer_tokens_mean_branched": _mean_len(branched.answer_ids),
         "answer_tokens_mean_reencode": _mean_len(reencode.answer_ids),
         "answers_identical_fraction": sum(
@@ -334,6 +358,13 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
 def rollout_main(args: argparse.Namespace) -> list[dict]:
     sizes = [s.strip() for s in args.models.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in MODEL_SIZES]
@@ -347,11 +378,11 @@ def rollout_main(args: argparse.Namespace) -> list[dict]:
         f"(+{args.warmup} warm-up), seed={args.seed}, torch threads={torch.get_num_threads()}, untrained weights",
         flush=True,
     )
+    print(f"load average before: {_load()}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="vlm-grpo-ma-bench-") as workdir:
         for size in sizes:
             policy = load_bench_policy(size, Path(workdir), image_size=args.image_size)
-            policy.model.eval()
             prompts = bench_prompts(policy, args.prompts, image_size=args.image_size)
             started = time.perf_counter()
             result = bench_rollout(
@@ -367,6 +398,8 @@ def rollout_main(args: argparse.Namespace) -> list[dict]:
             )
             result["model"] = size
             result["bench_wall_s"] = time.perf_counter() - started
+            result["torch_threads"] = torch.get_num_threads()
+            result["load_average_after"] = _load()
             print(
                 f"  {size}: {result['params']:,} parameters, prompt {result['prompt_tokens_mean']:.0f} tokens, "
                 f"thought {result['thought_tokens_mean']:.1f} tokens; thought stage "
@@ -380,6 +413,10 @@ def rollout_main(args: argparse.Namespace) -> list[dict]:
     print()
     print(format_table(rows))
     print("ratio = re-encode / branched (median wall time); 'answer' = the stage after the thoughts only")
+    print(
+        f"load average after: {_load()} (other processes on the machine skew wall times; the thought stage, "
+        "the same code in both paths, should take the same time in both)"
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rollout": rows}, indent=2) + "\n")

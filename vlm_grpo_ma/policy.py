@@ -128,12 +128,13 @@ def load_policy(
     path = str(Path(path).expanduser()) if looks_local else path
     config = AutoConfig.from_pretrained(path)
     frame = coordinate_frame_for(config.model_type)
-    processor_kwargs = {}
-    if min_pixels is not None:
-        processor_kwargs["min_pixels"] = min_pixels
-    if max_pixels is not None:
-        processor_kwargs["max_pixels"] = max_pixels
-    processor = AutoProcessor.from_pretrained(path, **processor_kwargs)
+    processor = AutoProcessor.from_pretrained(path)
+    if min_pixels is not None or max_pixels is not None:
+        # the image processor's resize bounds (in pixels) live in size = {shortest_edge, longest_edge}
+        size = dict(processor.image_processor.size)
+        size["shortest_edge"] = min_pixels if min_pixels is not None else size["shortest_edge"]
+        size["longest_edge"] = max_pixels if max_pixels is not None else size["longest_edge"]
+        processor.image_processor.size = size
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=getattr(torch, dtype), attn_implementation=pick_attn_implementation(attn_implementation)
