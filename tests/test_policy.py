@@ -113,7 +113,7 @@ def test_truncated_thoughts_are_closed_by_forced_tokens(tiny_policy):
     settings = _settings(thought_stop="</think>", max_thought_tokens=6)
     tree = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=1, settings=settings)
     close = tiny_policy.tokenizer.encode("</think>", add_special_tokens=False)
-    for ids, forced, truncated, ended in zip(tree.thought_ids, tree.thought_forced, tree.thought_truncated, tree.thought_ended_turn):
+    for ids, forced, truncated, ended in zip(tree.thought_ids, tree.thought_forced, tree.thought_truncated, tree.thought_ended_turn, strict=False):
         assert len(ids) <= 6
         if truncated:
             assert ids[-len(close):] == close and forced[-len(close):] == [True] * len(close)

@@ -32,13 +32,15 @@ class TrainBatch:
         return float(self.token_weights.sum())
 
     def rows(self, start: int, stop: int) -> TrainBatch:
+        """Rows ``start:stop``, columns trimmed to their longest completion (the width of their log-probs)."""
+        width = max(len(ids) for ids in self.completion_ids[start:stop])
         return TrainBatch(
             self.row_prompt[start:stop],
             self.completion_ids[start:stop],
-            self.advantages[start:stop],
-            self.token_weights[start:stop],
-            self.sampling_logprobs[start:stop],
-            self.is_thought[start:stop],
+            self.advantages[start:stop, :width],
+            self.token_weights[start:stop, :width],
+            self.sampling_logprobs[start:stop, :width],
+            self.is_thought[start:stop, :width],
         )
 
 

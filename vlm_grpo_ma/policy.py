@@ -468,11 +468,11 @@ def sequence_logprobs(
     device = policy.device
     width_prompt = [len(prompts[p].input_ids) for p in row_prompt]
     lengths = [len(c) for c in completions]
-    width = max(a + b for a, b in zip(width_prompt, lengths))
+    width = max(a + b for a, b in zip(width_prompt, lengths, strict=False))
     n = len(completions)
     ids = torch.full((n, width), policy.pad_token_id, dtype=torch.long)
     mask = torch.zeros((n, width), dtype=torch.long)
-    for r, (p, completion) in enumerate(zip(row_prompt, completions)):
+    for r, (p, completion) in enumerate(zip(row_prompt, completions, strict=False)):
         row = prompts[p].input_ids + list(completion)
         ids[r, : len(row)] = torch.tensor(row)  # right padding: every row starts at position 0
         mask[r, : len(row)] = 1

@@ -99,7 +99,7 @@ def update_policy(
             )
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
-            old = logprobs.detach() if old_logprobs is None else old_logprobs[start : start + micro.num_rows]
+            old = logprobs.detach() if old_logprobs is None else old_logprobs[start : start + micro.num_rows, : logprobs.shape[1]]
             ref = None
             if ref_policy is not None:
                 with torch.no_grad():

@@ -36,7 +36,7 @@ def supervised_step(policy: Policy, samples: list[Sample], instruction: str) -> 
     targets = [
         policy.tokenizer.encode(target_text(policy, s, p.input_sizes[0], p.original_sizes[0]), add_special_tokens=False)
         + [eos]
-        for s, p in zip(samples, prompts)
+        for s, p in zip(samples, prompts, strict=False)
     ]
     logprobs = sequence_logprobs(policy, prompts, list(range(len(samples))), targets, temperature=1.0)
     return -logprobs.sum() / sum(len(t) for t in targets)
