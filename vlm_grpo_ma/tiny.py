@@ -118,12 +118,12 @@ def build_tokenizer(vocab_size: int = 2048):
     return tokenizer
 
 
-def build_processor(tokenizer=None):
+def build_processor(tokenizer=None, *, image_side: int = 168):
     """The real Qwen2.5-VL processor; images resized so both sides are multiples of 28 and at most 168x168."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     tokenizer = tokenizer or build_tokenizer()
-    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=168 * 168)
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=image_side * image_side)
     return Qwen2_5_VLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
@@ -205,9 +205,9 @@ def build_model(tokenizer, seed: int = 0, *, size: str = "tiny"):
     return model
 
 
-def build_untrained(out_dir: Path, seed: int = 0, *, size: str = "tiny") -> Path:
+def build_untrained(out_dir: Path, seed: int = 0, *, size: str = "tiny", image_side: int = 168) -> Path:
     """Tokenizer + processor + randomly initialised model, saved so ``from_pretrained(out_dir)`` loads it."""
-    processor = build_processor()
+    processor = build_processor(image_side=image_side)
     model = build_model(processor.tokenizer, seed=seed, size=size)
     out_dir.mkdir(parents=True, exist_ok=True)
     processor.save_pretrained(out_dir)

@@ -327,11 +327,13 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             metrics = rollout_metrics(rollout, scored, thought_adv, task.metrics)
             metrics.update(update)
             trained_tokens = float(batch.token_weights.sum())
+            generated_tokens = sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
             metrics.update(
                 {
                     "time/step_seconds": seconds,
                     "time/rollout_seconds": rollout_seconds,
-                    "time/trained_tokens_per_second": trained_tokens / seconds,
+                    "time/trained_tokens_per_second": trained_tokens / (seconds - rollout_seconds),
+                    "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
                     "train/learning_rate": scheduler.get_last_lr()[0],
                     "data/epoch": stream.epoch,
                     **{f"count/{k}": v for k, v in counters.items()},

@@ -50,11 +50,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--snapshot-every", type=int, default=0, help="also save out-stepN folders")
+    parser.add_argument("--image-side", type=int, default=168, help="images are resized to at most side x side")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--init", type=Path, help="continue from this model folder instead of a fresh random model")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    init_dir = args.out.with_name(args.out.name + "-init")
-    build_untrained(init_dir, seed=args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    init_dir = args.init or build_untrained(
+        args.out.with_name(args.out.name + "-init"), seed=args.seed, image_side=args.image_side
+    )
     policy = load_policy(str(init_dir), attn_implementation="sdpa")
     policy.model.train()
     task = get_task("grounding")
@@ -79,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     policy.model.save_pretrained(args.out)
     policy.processor.save_pretrained(args.out)
-    shutil.rmtree(init_dir, ignore_errors=True)
+    if args.init is None:
+        shutil.rmtree(init_dir, ignore_errors=True)
     print(f"wrote the warm-started tiny model to {args.out}")
 
 

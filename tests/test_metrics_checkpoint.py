@@ -1,0 +1,38 @@
+import json
+
+import pytest
+
+from vlm_grpo_ma.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
+from vlm_grpo_ma.metrics import format_summary, read_metrics, summarize
+
+
+def test_summary_compares_first_and_last_fifth():
+    records = [{"step": s, "reward/mean": float(s), "reward/iou": 0.1} for s in range(1, 11)]
+    summary = summarize(records)
+    assert summary["steps_per_fifth"] == 2
+    assert summary["reward/mean"]["first_fifth"] == 1.5
+    assert summary["reward/mean"]["last_fifth"] == 9.5
+    assert summary["reward/mean"]["gain"] == 8.0
+    assert summary["reward/mean"]["step_noise_std"] == pytest.approx(0.5**0.5, abs=1e-12)
+    assert summary["reward/iou"]["gain"] == 0.0
+    assert "first fifth 1.5000" in format_summary(summary)
+
+
+def test_read_metrics_keeps_the_last_record_of_a_relogged_step(tmp_path):
+    lines = [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.2}, {"step": 2, "reward/mean": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert [r["reward/mean"] for r in read_metrics(tmp_path)] == [0.1, 0.25]
+
+
+def test_half_written_checkpoints_are_never_picked(tmp_path):
+    done = checkpoint_dir(tmp_path, 4)
+    done.mkdir(parents=True)
+    (done / "state.pt").write_bytes(b"x")
+    partial = checkpoint_dir(tmp_path, 6).with_name("step-000006.tmp")  # a crash during save leaves this
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"x")
+    no_state = checkpoint_dir(tmp_path, 8)  # a folder without its state file is not a checkpoint
+    no_state.mkdir()
+    assert list_checkpoints(tmp_path) == [done]
+    assert latest_checkpoint(tmp_path) == done
+    assert latest_checkpoint(tmp_path / "elsewhere") is None
