@@ -207,7 +207,7 @@ def _place(rng: random.Random, sides: Sequence[int]) -> list[tuple[int, int]] | 
 # (RAMP levels over the image). A 1M-parameter model cannot learn absolute positions from mRoPE alone in
 # minutes (RoPE shapes attention scores, not the values a box is read from); the ramp puts "where" into
 # the pixels every patch embedding sees. Real photographs do not need it.
-RAMP = 48
+RAMP = 120
 
 
 def _background(red: int, green: int, blue: int) -> Image.Image:

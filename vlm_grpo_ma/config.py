@@ -67,10 +67,10 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 60
+    steps: int = 150
     prompts_per_step: int = 4  # B; rows per step = B * K * M
     micro_batch_rows: int = 32  # answer rows per forward/backward
-    learning_rate: float = 2e-4
+    learning_rate: float = 5e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -79,7 +79,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     output_dir: str = "runs/grounding-tiny"
-    checkpoint_every: int = 20
+    checkpoint_every: int = 50
     keep_checkpoints: int = 2
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
 

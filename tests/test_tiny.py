@@ -1,0 +1,30 @@
+"""The embedded default model: committed, loadable offline, the real Qwen2.5-VL classes, reproducible tokenizer."""
+
+import json
+
+from vlm_grpo_ma.coords import CoordinateFrame
+from vlm_grpo_ma.policy import count_parameters, load_policy
+from vlm_grpo_ma.tiny import TINY_MODEL_DIR, build_tokenizer
+
+
+def test_embedded_model_loads_as_real_qwen2_5_vl():
+    policy = load_policy("tiny")
+    assert type(policy.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert type(policy.processor).__name__ == "Qwen2_5_VLProcessor"
+    assert policy.frame is CoordinateFrame.ABSOLUTE_INPUT
+    assert 0.5e6 < count_parameters(policy.model) < 5e6
+    assert (TINY_MODEL_DIR / "model.safetensors").stat().st_size < 20e6
+
+
+def test_committed_tokenizer_is_the_one_the_project_builds():
+    committed = json.loads((TINY_MODEL_DIR / "tokenizer.json").read_text())
+    rebuilt = json.loads(build_tokenizer().backend_tokenizer.to_str())
+    assert committed["model"]["vocab"] == rebuilt["model"]["vocab"]
+    assert committed["model"]["merges"] == rebuilt["model"]["merges"]
+
+
+def test_format_tags_are_single_tokens_and_digits_are_split():
+    tokenizer = load_policy("tiny").tokenizer
+    assert tokenizer.tokenize("<think>a</think><answer>[12,104]</answer>") == [
+        "<think>", "a", "</think>", "<answer>", "[", "1", "2", ",", "1", "0", "4", "]", "</answer>",
+    ]
