@@ -221,11 +221,10 @@ def _select_vision_rows(vision_output, images_per_prompt: list[int], row_prompt:
     selected = type(vision_output)(**{k: v for k, v in vision_output.items()})
     selected.pooler_output = tuple(pooled[i] for i in image_order)
     deepstack = getattr(vision_output, "deepstack_features", None)
-    if deepstack:  # Qwen3-VL: concatenated over images, same token counts as pooler_output
+    if deepstack:  # Qwen3-VL: one entry per level, each split per image like pooler_output
         counts = [t.shape[0] for t in pooled]
-        selected.deepstack_features = [
-            torch.cat([torch.split(level, counts)[i] for i in image_order]) for level in deepstack
-        ]
+        per_image = [torch.split(lv, counts) if isinstance(lv, torch.Tensor) else lv for lv in deepstack]
+        selected.deepstack_features = [tuple(level[i] for i in image_order) for level in per_image]
     return selected
 
 

@@ -1,0 +1,301 @@
+"""The policy code on Qwen2-VL and Qwen3-VL, not only Qwen2.5-VL.
+
+For each family a tiny randomly initialised model of the real class (real vision tower, real processor, the
+project's tokenizer) is saved and loaded through ``load_policy``; then tree sampling with KV-cache branching
+is checked against a full re-encode by ``sequence_logprobs`` (vision features shared per prompt, Qwen3-VL's
+deepstack features included), the vision tower is checked to run once, and the coordinate frame is checked.
+"""
+
+import pytest
+import torch
+from PIL import Image
+
+from vlm_grpo_ma.coords import CoordinateFrame
+from vlm_grpo_ma.policy import (
+    SamplingSettings,
+    _encode_images,
+    _select_vision_rows,
+    encode_prompt,
+    load_policy,
+    sample_tree,
+    sequence_logprobs,
+)
+from vlm_grpo_ma.registry import Sample
+from vlm_grpo_ma.tiny import CHAT_TEMPLATE, build_tokenizer
+
+FAMILIES = ["qwen2_vl", "qwen3_vl"]
+TEXT_HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 1, 32  # mrope_section must sum to HEAD_DIM / 2
+
+
+def _token_ids(tokenizer) -> dict:
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+
+
+def _text_config(tokenizer, **extra) -> dict:
+    return dict(
+        vocab_size=-(-len(tokenizer) // 64) * 64,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        **extra,
+    )
+
+
+def _build_qwen2_vl(tokenizer):
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    config = Qwen2VLConfig(
+        text_config=_text_config(
+            tokenizer, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=TEXT_HIDDEN, mlp_ratio=2, num_heads=2,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+        ),
+        tie_word_embeddings=True,
+        **_token_ids(tokenizer),
+    )  # fmt: skip
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
+    return Qwen2VLForConditionalGeneration(config), processor
+
+
+def _build_qwen3_vl(tokenizer):
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    config = Qwen3VLConfig(
+        text_config=_text_config(
+            tokenizer,
+            head_dim=HEAD_DIM,
+            rope_parameters={
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT_HIDDEN,
+            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        tie_word_embeddings=True,
+        **_token_ids(tokenizer),
+    )  # fmt: skip
+    # Qwen3-VL's image processor is Qwen2-VL's with 16 px patches (images resized to multiples of 32)
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=64 * 64, max_pixels=128 * 128,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(),
+        chat_template=CHAT_TEMPLATE,
+    )
+    return Qwen3VLForConditionalGeneration(config), processor
+
+
+BUILDERS = {"qwen2_vl": _build_qwen2_vl, "qwen3_vl": _build_qwen3_vl}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_policy(request, tokenizer, tmp_path_factory):
+    family = request.param
+    torch.manual_seed(0)
+    model, processor = BUILDERS[family](tokenizer)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    path = tmp_path_factory.mktemp(f"tiny-{family}")
+    processor.save_pretrained(path)
+    model.save_pretrained(path)
+    policy = load_policy(str(path), attn_implementation="sdpa")
+    policy.model.eval()
+    return family, policy
+
+
+def _samples(n):
+    # different question lengths -> different prompt lengths -> left padding in the prefill
+    colours = [(220, 30, 30), (30, 200, 40), (40, 40, 220)]
+    sizes = [(168, 112), (112, 140), (128, 128)]  # different images -> different vision token counts
+    return [
+        Sample("grounding", str(i), "Locate: the red circle" + " please" * (2 * i), (Image.new("RGB", sizes[i], colours[i]),), [0, 0, 1, 1])
+        for i in range(n)
+    ]  # fmt: skip
+
+
+def _settings(seed=0):
+    # thought_stop "e" makes untrained-model thoughts stop at uneven lengths (a real "</think>" is rare)
+    return SamplingSettings(
+        temperature=1.0, max_thought_tokens=14, max_answer_tokens=8, thought_stop="e",
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+
+
+def test_loads_the_real_class_with_relative_frame(family_policy):
+    family, policy = family_policy
+    assert policy.model.config.model_type == family
+    expected = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+    assert type(policy.model).__name__ == expected[family]
+    assert policy.frame is CoordinateFrame.RELATIVE_1000
+    assert sum(p.numel() for p in policy.model.parameters()) < 1_000_000
+
+
+def test_processor_expands_the_image_placeholder(family_policy):
+    family, policy = family_policy
+    prompt = encode_prompt(policy, _samples(1)[0], "Think.")
+    merge = policy.model.config.vision_config.spatial_merge_size
+    ((t, h, w),) = prompt.image_grid_thw.tolist()
+    assert prompt.input_ids.count(policy.image_token_id) == t * h * w // merge**2 > 1
+    patch = {"qwen2_vl": 14, "qwen3_vl": 16}[family]
+    width, height = prompt.input_sizes[0]
+    assert (width, height) == (w * patch, h * patch)
+    assert width % (patch * merge) == 0 and height % (patch * merge) == 0
+
+
+@pytest.mark.parametrize("num_prompts, num_thoughts", [(3, 2), (2, 3)])
+def test_branched_answer_logprobs_equal_full_reencode(family_policy, num_prompts, num_thoughts):
+    family, policy = family_policy
+    m = 2
+    prompts = [encode_prompt(policy, s, "Think.") for s in _samples(num_prompts)]
+    assert len({len(p.input_ids) for p in prompts}) == num_prompts
+    tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=m, settings=_settings())
+    assert len(tree.answer_ids) == num_prompts * num_thoughts * m
+    assert len({len(t) for t in tree.thought_ids}) >= 2, "test needs uneven thoughts"
+    rows, completions = [], []
+    for a, answer in enumerate(tree.answer_ids):
+        t = a // m
+        rows.append(t // num_thoughts)
+        completions.append(tree.thought_ids[t] + answer)
+    with torch.no_grad():
+        full = sequence_logprobs(policy, prompts, rows, completions, temperature=1.0)
+    worst, compared = 0.0, 0
+    for a, answer in enumerate(tree.answer_ids):
+        t = a // m
+        sampled = tree.thought_logprobs[t] + tree.answer_logprobs[a]
+        forced = tree.thought_forced[t] + [False] * len(answer)
+        for j, value in enumerate(sampled):
+            if not forced[j]:
+                worst = max(worst, abs(value - float(full[a, j])))
+                compared += 1
+    print(f"{family} B={num_prompts} K={num_thoughts} M={m}: max |diff| {worst:.3g} over {compared} tokens")
+    assert compared > 0
+    assert worst <= 1e-4
+
+
+def test_vision_tower_runs_once_for_all_prompts(family_policy):
+    _, policy = family_policy
+    images_seen = []
+
+    def hook(module, args, kwargs):
+        images_seen.append(kwargs["grid_thw"].shape[0] if "grid_thw" in kwargs else args[1].shape[0])
+
+    handle = policy.model.model.visual.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        prompts = [encode_prompt(policy, s, "Think.") for s in _samples(3)]
+        tree = sample_tree(policy, prompts, num_thoughts=3, num_answers=2, settings=_settings(seed=1))
+    finally:
+        handle.remove()
+    assert images_seen == [3]  # one call, 3 images, for 18 answers
+    assert tree.vision_images_encoded == 3
+
+
+def test_selected_vision_rows_match_a_per_row_encode(family_policy):
+    """Rows that share a prompt get that prompt's features (deepstack levels too for Qwen3-VL), in row order."""
+    family, policy = family_policy
+    prompts = [encode_prompt(policy, s, "Think.") for s in _samples(3)]
+    row_prompt = [2, 0, 0, 1, 2]
+    with torch.no_grad():
+        shared, _ = _encode_images(policy, prompts)
+        selected = _select_vision_rows(shared, [1, 1, 1], row_prompt)
+        direct, _ = _encode_images(policy, [prompts[p] for p in row_prompt])
+    assert len(selected.pooler_output) == len(row_prompt)
+    for got, want in zip(selected.pooler_output, direct.pooler_output, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    deepstack = getattr(direct, "deepstack_features", None)
+    if family == "qwen3_vl":
+        assert deepstack, "Qwen3-VL must produce deepstack features"
+        assert len(selected.deepstack_features) == len(deepstack)
+        for got_level, want_level in zip(selected.deepstack_features, deepstack, strict=True):
+            torch.testing.assert_close(
+                torch.cat(list(got_level)), torch.cat(list(want_level)), atol=1e-5, rtol=1e-5
+            )
+    else:
+        assert not deepstack
+
+
+def test_sequence_logprobs_equal_the_models_own_forward(family_policy, monkeypatch):
+    """Shared vision features, our mRoPE positions and right padding give the log-probs of the model's own
+    forward (pixel_values in, positions and Qwen3-VL deepstack injection computed by transformers), row by row."""
+    import vlm_grpo_ma.policy as policy_module
+
+    family, policy = family_policy
+    prompts = [encode_prompt(policy, s, "Think.") for s in _samples(3)]
+    words = ["the red circle is at the top", "left", "the blue square"]
+    row_prompt = [2, 0, 1, 0]
+    completions = [
+        policy.tokenizer.encode(words[r % 3], add_special_tokens=False) for r in range(len(row_prompt))
+    ]
+    with torch.no_grad():
+        ours = sequence_logprobs(policy, prompts, row_prompt, completions, temperature=1.0)
+        worst = 0.0
+        for r, (p, completion) in enumerate(zip(row_prompt, completions, strict=True)):
+            ids = torch.tensor([prompts[p].input_ids + completion])
+            policy.model.model.rope_deltas = None
+            logits = policy.model(
+                input_ids=ids,
+                pixel_values=prompts[p].pixel_values,
+                image_grid_thw=prompts[p].image_grid_thw,
+                mm_token_type_ids=(ids == policy.image_token_id).int(),
+            ).logits[0]
+            logprobs = policy_module._policy_logprobs(logits, 1.0, policy.suppressed_token_ids)
+            start = len(prompts[p].input_ids) - 1
+            reference = logprobs[start + torch.arange(len(completion)), torch.tensor(completion)]
+            worst = max(worst, float((reference - ours[r, : len(completion)]).abs().max()))
+        print(f"{family} sequence_logprobs vs the model's own forward: max |diff| {worst:.3g}")
+        assert worst <= 1e-4
+        if family == "qwen3_vl":  # the comparison would catch deepstack features that get lost
+            select = policy_module._select_vision_rows
+
+            def without_deepstack(*args):
+                selected = select(*args)
+                selected.deepstack_features = [
+                    tuple(torch.zeros_like(t) for t in level) for level in selected.deepstack_features
+                ]
+                return selected
+
+            monkeypatch.setattr(policy_module, "_select_vision_rows", without_deepstack)
+            dropped = sequence_logprobs(policy, prompts, row_prompt, completions, temperature=1.0)
+            assert float((dropped - ours).abs().max()) > 1e-2
