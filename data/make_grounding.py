@@ -3,7 +3,7 @@
 ``python data/make_grounding.py`` rewrites ``data/grounding/{train,test}.jsonl`` and the PNGs under
 ``data/grounding/images/``. Everything follows from two fixed seeds, so the files are reproducible.
 
-A scene is a 168x168 RGB image on a light background (with a faint colour ramp, see RAMP) holding 2-4 non-overlapping flat shapes
+A scene is a 168x168 RGB image on a light background (with a colour ramp, see RAMP) holding 2-4 non-overlapping flat shapes
 (circle / square / triangle; red / green / blue / yellow; small 18-26 px or large 36-50 px). One object
 is the target. Its expression names the shape plus the fewest attributes that single it out
 ("the circle", "the red circle", "the small square", "the large blue triangle"); when no attribute set
@@ -203,10 +203,11 @@ def _place(rng: random.Random, sides: Sequence[int]) -> list[tuple[int, int]] | 
     return corners
 
 
-# The background carries a faint colour ramp: red falls from left to right, blue from top to bottom
-# (RAMP levels over the image). A 1M-parameter model cannot learn absolute positions from mRoPE alone in
-# minutes (RoPE shapes attention scores, not the values a box is read from); the ramp puts "where" into
-# the pixels every patch embedding sees. Real photographs do not need it.
+# The background carries a colour ramp: red falls from left to right, blue from top to bottom (RAMP
+# levels over the image), so that "where" is in the pixels every patch embedding sees, not only in mRoPE
+# (RoPE shapes attention scores, not the values a box is read from). It was meant to let a 1M-parameter
+# model learn boxes in minutes; in our runs (README, "What the embedded run shows") it was not enough.
+# Kept because it costs nothing and a larger model may use it; real photographs do not need it.
 RAMP = 120
 
 

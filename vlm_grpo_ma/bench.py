@@ -41,14 +41,13 @@ from vlm_grpo_ma.policy import (
     SamplingSettings,
     TreeSample,
     _decode,
-    _DecodeState,
     _left_pad,
     _policy_logprobs,
-    _rope_positions,
     count_parameters,
     encode_prompt,
     load_policy,
     open_image,
+    prefill,
     sample_tree,
 )
 from vlm_grpo_ma.registry import get_task
@@ -165,8 +164,6 @@ def reencode_answers(
     Returns (answer ids [B*K*M], their sampling log-probs, the first-answer-token logits after the prefill
     [B*K*M, V]); rows are thought-major, ``t * M + m``, as in ``TreeSample``.
     """
-    from transformers import DynamicCache
-
     device = policy.device
     rows, row_prompt = [], []
     for t, thought in enumerate(thought_ids):
@@ -178,23 +175,7 @@ def reencode_answers(
     ids, mask = ids.to(device), mask.to(device)
     pixel_values = torch.cat([prompts[b].pixel_values for b in row_prompt]).to(device)
     grid = torch.cat([prompts[b].image_grid_thw for b in row_prompt]).to(device)
-    positions = _rope_positions(policy, ids, mask, grid)
-    out = policy.model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        pixel_values=pixel_values,
-        image_grid_thw=grid,
-        cache=DynamicCache(config=policy.model.config),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    state = _DecodeState(
-        cache=out.cache if hasattr(out, "cache") else out.past_key_values,
-        attention_mask=mask,
-        next_position=positions.amax(dim=(0, 2)) + 1,  # [N]
-        logits=out.logits[:, -1, :],
-    )
+    state = prefill(policy, ids, mask, grid, pixel_values=pixel_values, image_grid_thw=grid)
     first_logits = state.logits.clone()
     answer_ids, answer_logprobs, _, _ = _decode(
         policy,

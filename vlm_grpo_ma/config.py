@@ -67,7 +67,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 150
+    steps: int = 250
     prompts_per_step: int = 4  # B; rows per step = B * K * M
     micro_batch_rows: int = 32  # answer rows per forward/backward
     learning_rate: float = 5e-4

@@ -383,6 +383,30 @@ def _repeat_rows(state: _DecodeState, repeats: int) -> None:
     state.logits = state.logits.repeat_interleave(repeats, dim=0)
 
 
+def prefill(policy: Policy, ids: torch.Tensor, mask: torch.Tensor, grid: torch.Tensor, **vision_inputs) -> _DecodeState:
+    """Run left-padded prompts [N, L] through the model once, into a fresh KV cache. ``vision_inputs`` are
+    the model's image arguments: ``mm_encoder_outputs`` (features already computed) or ``pixel_values`` +
+    ``image_grid_thw``."""
+    from transformers import DynamicCache
+
+    positions = _rope_positions(policy, ids, mask, grid)
+    out = policy.model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        cache=DynamicCache(config=policy.model.config),
+        use_cache=True,
+        logits_to_keep=1,
+        **vision_inputs,
+    )
+    return _DecodeState(
+        cache=out.cache if hasattr(out, "cache") else out.past_key_values,
+        attention_mask=mask,
+        next_position=positions.amax(dim=(0, 2)) + 1,  # [N]
+        logits=out.logits[:, -1, :],
+    )
+
+
 @torch.no_grad()
 def sample_tree(
     policy: Policy,
@@ -393,29 +417,11 @@ def sample_tree(
     settings: SamplingSettings,
 ) -> TreeSample:
     """K thoughts per prompt, then M answers per thought from the thought's KV cache."""
-    from transformers import DynamicCache
-
     device = policy.device
     ids, mask = _left_pad([p.input_ids for p in prompts], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     vision, grid = _encode_images(policy, prompts)
-    positions = _rope_positions(policy, ids, mask, grid)
-    cache = DynamicCache(config=policy.model.config)
-    out = policy.model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        mm_encoder_outputs={"image": vision},
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    state = _DecodeState(
-        cache=out.cache if hasattr(out, "cache") else out.past_key_values,
-        attention_mask=mask,
-        next_position=positions.amax(dim=(0, 2)) + 1,  # [B]
-        logits=out.logits[:, -1, :],
-    )
+    state = prefill(policy, ids, mask, grid, mm_encoder_outputs={"image": vision})
     _repeat_rows(state, num_thoughts)
     close_ids = policy.tokenizer.encode(settings.thought_stop, add_special_tokens=False)
     thought_ids, thought_logprobs, thought_forced, thought_truncated = _decode(
