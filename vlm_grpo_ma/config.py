@@ -70,7 +70,7 @@ class TrainConfig:
     steps: int = 250
     prompts_per_step: int = 4  # B; rows per step = B * K * M
     micro_batch_rows: int = 32  # answer rows per forward/backward
-    learning_rate: float = 5e-4
+    learning_rate: float = 3e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
