@@ -112,3 +112,17 @@ def test_cli_rejects_an_unknown_task(capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert "unknown task 'groundin'; known tasks:" in err and "grounding" in err
+
+
+def test_reused_rollouts_and_kl_to_the_reference(untrained_tiny_dir, tmp_path):
+    module = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")
+    cfg = _cfg(
+        untrained_tiny_dir, tmp_path / "run", "train.steps=2", "data.task=answer_length", f"data.task_modules=[{module}]",
+        "algorithm.num_iterations=2", "algorithm.kl_coef=0.05", "train.learning_rate=1e-2",
+    )
+    train_module.train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # the second update of step 1 already sees a policy that moved away from both the rollout and the reference
+    assert records[0]["train/kl"] > 0
+    assert records[1]["train/kl"] > records[0]["train/kl"]
+    assert 0 < records[1]["train/clip_fraction"] <= 1
