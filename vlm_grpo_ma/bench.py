@@ -40,10 +40,10 @@ from vlm_grpo_ma.policy import (
     Policy,
     SamplingSettings,
     TreeSample,
-    _decode,
     _left_pad,
     _policy_logprobs,
     count_parameters,
+    decode_answers,
     encode_prompt,
     load_policy,
     open_image,
@@ -177,14 +177,7 @@ def reencode_answers(
     grid = torch.cat([prompts[b].image_grid_thw for b in row_prompt]).to(device)
     state = prefill(policy, ids, mask, grid, pixel_values=pixel_values, image_grid_thw=grid)
     first_logits = state.logits.clone()
-    answer_ids, answer_logprobs, _, _ = _decode(
-        policy,
-        state,
-        max_tokens=settings.max_answer_tokens,
-        stop_text=settings.answer_stop,
-        forced_suffix=None,
-        settings=settings,
-    )
+    answer_ids, answer_logprobs, _, _ = decode_answers(policy, state, settings)
     return answer_ids, answer_logprobs, first_logits
 
 

@@ -376,6 +376,18 @@ def _decode(
     return tokens_out, logprobs_out, forced_out, truncated
 
 
+def decode_answers(policy: Policy, state: _DecodeState, settings: SamplingSettings):
+    """Decode one answer per row of ``state`` (stop at ``settings.answer_stop``, EOS or the token limit)."""
+    return _decode(
+        policy,
+        state,
+        max_tokens=settings.max_answer_tokens,
+        stop_text=settings.answer_stop,
+        forced_suffix=None,
+        settings=settings,
+    )
+
+
 def _repeat_rows(state: _DecodeState, repeats: int) -> None:
     state.cache.batch_repeat_interleave(repeats)  # in place
     state.attention_mask = state.attention_mask.repeat_interleave(repeats, dim=0)
@@ -433,14 +445,7 @@ def sample_tree(
         settings=settings,
     )
     _repeat_rows(state, num_answers)
-    answer_ids, answer_logprobs, _, answer_truncated = _decode(
-        policy,
-        state,
-        max_tokens=settings.max_answer_tokens,
-        stop_text=settings.answer_stop,
-        forced_suffix=None,
-        settings=settings,
-    )
+    answer_ids, answer_logprobs, _, answer_truncated = decode_answers(policy, state, settings)
     return TreeSample(
         thought_ids=thought_ids,
         thought_logprobs=thought_logprobs,
