@@ -126,3 +126,12 @@ def test_reused_rollouts_and_kl_to_the_reference(untrained_tiny_dir, tmp_path):
     assert records[0]["train/kl"] > 0
     assert records[1]["train/kl"] > records[0]["train/kl"]
     assert 0 < records[1]["train/clip_fraction"] <= 1
+
+
+def test_cli_names_a_missing_data_file_and_a_missing_model(tmp_path, capsys):
+    code = train_module.main(["--task", "grounding", f"data.source={tmp_path}/nope.parquet", f"train.output_dir={tmp_path}/r"])
+    assert code == 2
+    assert "data.source=" in capsys.readouterr().err
+    code = train_module.main(["--task", "grounding", f"model.name_or_path={tmp_path}/no-model", f"train.output_dir={tmp_path}/r"])
+    assert code == 2
+    assert "no such local folder" in capsys.readouterr().err

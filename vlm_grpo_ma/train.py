@@ -7,7 +7,6 @@ advantages, build the batch, update over micro-batches, log, checkpoint. Helpers
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -196,7 +195,13 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     import_task_modules(cfg.data.task_modules)
     task = get_task(cfg.data.task)
     reward_weights_for(task, cfg.data.reward_weights)  # fail now, not mid-run, on an unknown part name
-    stream = PromptStream(task.load(cfg.data.split, cfg.data.source), seed=cfg.train.seed)
+    try:
+        samples = task.load(cfg.data.split, cfg.data.source)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(
+            f"data.task={cfg.data.task} data.split={cfg.data.split} data.source={cfg.data.source}: {error}"
+        ) from error
+    stream = PromptStream(samples, seed=cfg.train.seed)
 
     # --- model, reference, optimiser ----------------------------------------------------------------------
     model_path = cfg.model.name_or_path
@@ -208,14 +213,17 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         model_path = str(last / "model")
         history_state = ckpt.load_training_state(last)
         start_step = history_state["step"]
-    policy = load_policy(
-        model_path,
-        dtype=cfg.model.dtype,
-        attn_implementation=cfg.model.attn_implementation,
-        min_pixels=cfg.model.min_pixels,
-        max_pixels=cfg.model.max_pixels,
-        device=accelerator.device,
-    )
+    try:
+        policy = load_policy(
+            model_path,
+            dtype=cfg.model.dtype,
+            attn_implementation=cfg.model.attn_implementation,
+            min_pixels=cfg.model.min_pixels,
+            max_pixels=cfg.model.max_pixels,
+            device=accelerator.device,
+        )
+    except (FileNotFoundError, ValueError) as error:  # a missing folder, an unsupported model family
+        raise ConfigError(f"model.name_or_path={model_path}: {error}") from error
     policy.model.train()
     policy.model.config.use_cache = True
     if cfg.model.gradient_checkpointing:
@@ -385,18 +393,22 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"data.task={args.task}")
     if args.output_dir:
         overrides.append(f"train.output_dir={args.output_dir}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg = load_config(args.config, overrides)
         import_task_modules(cfg.data.task_modules)
         get_task(cfg.data.task)
-    except (ConfigError, KeyError, FileNotFoundError) as error:
+    except (ConfigError, KeyError, FileNotFoundError) as error:  # KeyError: an unknown task name
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with contextlib.suppress(KeyboardInterrupt):
+    try:
         train(cfg, resume=args.resume)
-        return 0
-    return 130
+    except ConfigError as error:  # found when loading the data or the model
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130  # train() saved a checkpoint of the steps done
+    return 0
 
 
 if __name__ == "__main__":
