@@ -82,3 +82,11 @@ def test_micro_batch_slices_are_trimmed_to_their_longest_row():
     assert tail.advantages.shape == (1, 3) and tail.completion_ids == [[21, 22, 61]]
     halves = [batch.rows(0, 2), batch.rows(2, 4)]
     assert sum(h.total_weight() for h in halves) == batch.total_weight()
+
+
+def test_answers_after_a_thought_that_ended_the_turn_are_not_trained_on():
+    rollout = _rollout()
+    rollout.tree.thought_ended_turn[0] = True
+    batch = build_train_batch(rollout, THOUGHT_ADV, ANSWER_ADV)
+    assert batch.token_weights[0].tolist() == [1, 1, 1, 0, 0]  # the thought still gets its (negative) push
+    assert batch.token_weights[1].tolist() == [0, 0, 0, 0, 0]

@@ -3,7 +3,8 @@
 Each thought is shared by its M answer rows but its tokens are counted once: they carry weight 1 on the
 row of answer m = 0 and weight 0 on the others. Their log-probs are identical in all M rows (same prefix),
 so this gives the same gradient as weight 1/M on every row, and token-level aggregation counts every sampled
-token of the tree exactly once. Forced tokens (the "</think>" closing a truncated thought) get weight 0.
+token of the tree exactly once. Forced tokens (the "</think>" closing a truncated thought) get weight 0, and
+so do answers that follow a thought that ended the turn.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def build_train_batch(rollout: Rollout, thought_adv: torch.Tensor, answer_adv: t
         advantages[a, n_t : n_t + n_a] = float(answer_adv[b, k, m])
         if m == 0:
             weights[a, :n_t] = torch.tensor([0.0 if forced else 1.0 for forced in tree.thought_forced[t]])
-        weights[a, n_t : n_t + n_a] = 1.0
+        # Answers sampled after a thought that ended the turn (EOS before "</think>") continue past the end
+        # of the model's turn: they score 0 (rewards.py) and are not trained on.
+        weights[a, n_t : n_t + n_a] = 0.0 if tree.thought_ended_turn[t] else 1.0
         sampling_logprobs[a, : n_t + n_a] = torch.tensor(tree.thought_logprobs[t] + tree.answer_logprobs[a])
         is_thought[a, :n_t] = True
     return TrainBatch(row_prompt, completion_ids, advantages, weights, sampling_logprobs, is_thought)
