@@ -2,6 +2,7 @@
 # Create .venv inside the checkout (once) and install the project with its test tools.
 # torch and torchvision are pinned as a pair (see docs/ARCHITECTURE.md, "Installing"); on a GPU machine
 # install the torch build you want first, then `pip install -e .[gpu,dev]`.
+# pip's output goes to .venv/setup.log and is shown only when a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -9,8 +10,19 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 if ! .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, pytest" 2>/dev/null; then
-  .venv/bin/pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/pip install -q "torch==2.14.1" "torchvision==0.29.1" 2>&1 | grep -v "^WARNING: Location" || true
-  .venv/bin/pip install -q -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  echo "setting up .venv (about 2 minutes on a fresh machine) ..."
+  log=.venv/setup.log
+  : > "$log"
+  install() {
+    if ! .venv/bin/pip install -q "$@" >>"$log" 2>&1; then
+      grep -v "^WARNING: Location" "$log" | tail -40 >&2
+      echo "setup failed during: pip install $*  (full log: $log)" >&2
+      exit 1
+    fi
+  }
+  install --upgrade pip
+  install "torch==2.14.1" "torchvision==0.29.1"
+  install -e ".[dev]"
   .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, pytest"
+  echo "setup done"
 fi
