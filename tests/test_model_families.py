@@ -9,6 +9,7 @@ deepstack features included), the vision tower is checked to run once, and the c
 import pytest
 import torch
 from PIL import Image
+from reencode_check import branched_vs_reencoded
 
 from vlm_grpo_ma.coords import CoordinateFrame
 from vlm_grpo_ma.policy import (
@@ -194,22 +195,7 @@ def test_branched_answer_logprobs_equal_full_reencode(family_policy, num_prompts
     tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=m, settings=_settings())
     assert len(tree.answer_ids) == num_prompts * num_thoughts * m
     assert len({len(t) for t in tree.thought_ids}) >= 2, "test needs uneven thoughts"
-    rows, completions = [], []
-    for a, answer in enumerate(tree.answer_ids):
-        t = a // m
-        rows.append(t // num_thoughts)
-        completions.append(tree.thought_ids[t] + answer)
-    with torch.no_grad():
-        full = sequence_logprobs(policy, prompts, rows, completions, temperature=1.0)
-    worst, compared = 0.0, 0
-    for a, answer in enumerate(tree.answer_ids):
-        t = a // m
-        sampled = tree.thought_logprobs[t] + tree.answer_logprobs[a]
-        forced = tree.thought_forced[t] + [False] * len(answer)
-        for j, value in enumerate(sampled):
-            if not forced[j]:
-                worst = max(worst, abs(value - float(full[a, j])))
-                compared += 1
+    worst, compared = branched_vs_reencoded(policy, prompts, tree, num_thoughts, m)
     print(f"{family} B={num_prompts} K={num_thoughts} M={m}: max |diff| {worst:.3g} over {compared} tokens")
     assert compared > 0
     assert worst <= 1e-4
