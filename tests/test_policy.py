@@ -141,3 +141,21 @@ def test_input_sizes_follow_the_resized_image(tiny_policy):
     width, height = prompt.input_sizes[0]
     assert width % 28 == 0 and height % 28 == 0
     assert prompt.original_sizes[0] == (168, 112)
+
+
+@pytest.mark.parametrize("with_image", [(False, False), (True, False), (False, True, True)], ids=["text-only", "mixed", "mixed-2"])
+def test_prompts_without_images_branch_like_image_prompts(tiny_policy, with_image):
+    """Text-only prompts (math word problems, code) and batches mixing them with image prompts: the tree's
+    log-probs equal a full re-encode, and only the images that exist reach the vision tower."""
+    image_samples = _samples(len(with_image))
+    samples = [
+        s if has_image else Sample("math", s.id, "What is 3 plus 4?" + " now" * i, (), "7")
+        for i, (s, has_image) in enumerate(zip(image_samples, with_image, strict=True))
+    ]
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in samples]
+    assert [p.image_grid_thw.shape[0] for p in prompts] == [int(h) for h in with_image]
+    tree = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2, settings=_settings(seed=3))
+    assert tree.vision_images_encoded == sum(with_image)
+    worst, compared = branched_vs_reencoded(tiny_policy, prompts, tree, 2, 2)
+    assert compared > 0
+    assert worst <= 1e-4

@@ -180,12 +180,16 @@ def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPr
         prompt_messages(sample, instruction), add_generation_prompt=True, tokenize=False
     )
     encoded = policy.processor(text=[text], images=images or None, return_tensors="pt")
-    grid = encoded["image_grid_thw"]
+    if images:
+        grid, pixel_values = encoded["image_grid_thw"], encoded["pixel_values"]
+    else:  # a text-only prompt (math word problems, code): no vision rows
+        grid = torch.zeros((0, 3), dtype=torch.long)
+        pixel_values = torch.zeros((0, 0))
     patch = policy.model.config.vision_config.patch_size
     input_sizes = tuple((int(w) * patch, int(h) * patch) for _, h, w in grid.tolist())
     return EncodedPrompt(
         input_ids=encoded["input_ids"][0].tolist(),
-        pixel_values=encoded["pixel_values"],
+        pixel_values=pixel_values,
         image_grid_thw=grid,
         input_sizes=input_sizes,
         original_sizes=tuple(image.size for image in images),
@@ -200,21 +204,34 @@ def _rope_positions(policy: Policy, input_ids: torch.Tensor, attention_mask: tor
     """mRoPE position ids [3, N, L] for a padded batch (pad positions get 0)."""
     mm_token_type_ids = (input_ids == policy.image_token_id).int()
     positions, _ = policy.model.model.get_rope_index(
-        input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw, attention_mask=attention_mask
+        input_ids,
+        mm_token_type_ids,
+        image_grid_thw=image_grid_thw if image_grid_thw.shape[0] else None,
+        attention_mask=attention_mask,
     )
     return positions
 
 
 def _encode_images(policy: Policy, prompts: Sequence[EncodedPrompt]):
-    """Run the vision tower once over all images of the prompts. Returns the model's vision output."""
+    """Run the vision tower once over all images of the prompts. Returns (the model's vision output, or
+    None when no prompt has an image, and the [num_images, 3] grid)."""
     device = policy.device
-    pixel_values = torch.cat([p.pixel_values for p in prompts]).to(device)
     grid = torch.cat([p.image_grid_thw for p in prompts]).to(device)
+    if grid.shape[0] == 0:
+        return None, grid
+    pixel_values = torch.cat([p.pixel_values for p in prompts if p.image_grid_thw.shape[0]]).to(device)
     return policy.model.model.get_image_features(pixel_values, grid, return_dict=True), grid
+
+
+def _vision_inputs(vision_output) -> dict:
+    """The model's image argument for features already computed (nothing for a text-only batch)."""
+    return {} if vision_output is None else {"mm_encoder_outputs": {"image": vision_output}}
 
 
 def _select_vision_rows(vision_output, images_per_prompt: list[int], row_prompt: list[int]):
     """Repeat the per-image vision features so that row r gets the images of prompt row_prompt[r]."""
+    if vision_output is None:
+        return None
     first_image = [sum(images_per_prompt[:i]) for i in range(len(images_per_prompt))]
     image_order = [first_image[p] + j for p in row_prompt for j in range(images_per_prompt[p])]
     pooled = vision_output.pooler_output
@@ -433,7 +450,7 @@ def sample_tree(
     ids, mask = _left_pad([p.input_ids for p in prompts], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     vision, grid = _encode_images(policy, prompts)
-    state = prefill(policy, ids, mask, grid, mm_encoder_outputs={"image": vision})
+    state = prefill(policy, ids, mask, grid, **_vision_inputs(vision))
     _repeat_rows(state, num_thoughts)
     close_ids = policy.tokenizer.encode(settings.thought_stop, add_special_tokens=False)
     thought_ids, thought_logprobs, thought_forced, thought_truncated = _decode(
@@ -494,7 +511,7 @@ def sequence_logprobs(
     grid = torch.cat([prompts[p].image_grid_thw for p in row_prompt]).to(device)
     positions = _rope_positions(policy, ids, mask, grid)
     hidden = policy.model.model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, mm_encoder_outputs={"image": row_vision}
+        input_ids=ids, attention_mask=mask, position_ids=positions, **_vision_inputs(row_vision)
     ).last_hidden_state  # [N, L, H]
     longest = max(lengths) if lengths else 0
     # Hidden states that predict completion token j of row r sit at position width_prompt[r] - 1 + j.
