@@ -26,7 +26,17 @@ from typing import Any
 
 from PIL import Image
 
-from tasks._common import clip_box, extract_tag, has_think_answer_format, iou, order_corners, parse_box
+from tasks._common import (
+    PREDICTION_COLOUR,
+    TRUTH_COLOUR,
+    clip_box,
+    draw_marks,
+    extract_tag,
+    has_think_answer_format,
+    iou,
+    order_corners,
+    parse_box,
+)
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
 
 NAME = "grounding"
@@ -64,36 +74,46 @@ def answer_box(completion: Completion) -> list[float] | None:
     return parse_box(answer_text) if answer_text is not None else None
 
 
-def box_iou_in_pixels(box: list[float], completion: Completion, sample: Sample) -> float:
-    """IoU of a model-frame box with the ground truth, in original-image pixels.
-
-    The box goes through ``completion.to_original_pixels`` (the one conversion), then its corners are
-    sorted and it is clipped to the original image (the part of a box outside the image is not something
-    the model could have meant). 0.0 when the conversion overflows (a finite 1e308 in the model's frame
-    can become inf in pixels).
-    """
-    pixels = completion.to_original_pixels(box)
-    if not all(math.isfinite(v) for v in pixels):
-        return 0.0
-    clipped = clip_box(order_corners(pixels), sample.meta["width"], sample.meta["height"])
-    return iou(clipped, sample.answer)
-
-
 def reward(completion: Completion, sample: Sample) -> dict[str, float]:
     """``{"reward", "iou", "format", "acc_iou50"}`` for one completion; never raises on model output.
 
     ``sample.answer`` is the ground-truth ``[x1, y1, x2, y2]`` in original pixels and
     ``sample.meta["width"/"height"]`` the original image size.
     """
-    box = answer_box(completion)
-    overlap = box_iou_in_pixels(box, completion, sample) if box is not None else 0.0
+    predicted = prediction(completion, sample)
+    overlap = iou(predicted["box"], sample.answer) if predicted is not None else 0.0
     parts = {
         "iou": overlap,
-        "format": float(box is not None and has_think_answer_format(completion.text)),
+        "format": float(answer_box(completion) is not None and has_think_answer_format(completion.text)),
         "acc_iou50": float(overlap >= 0.5),
     }
     parts["reward"] = weighted_reward(parts, REWARD_WEIGHTS)
     return parts
+
+
+def prediction(completion: Completion, sample: Sample) -> dict | None:
+    """The answer's box as the reward grades it: ``{"box": [x1, y1, x2, y2]}`` in original-image pixels.
+
+    The model-frame box goes through ``completion.to_original_pixels`` (the one conversion), then its corners
+    are sorted and it is clipped to the original image (the part of a box outside the image is not something
+    the model could have meant). None without a box, or when the conversion overflows (a finite 1e308 in
+    the model's frame can become inf in pixels).
+    """
+    box = answer_box(completion)
+    if box is None:
+        return None
+    pixels = completion.to_original_pixels(box)
+    if not all(math.isfinite(v) for v in pixels):
+        return None
+    return {"box": clip_box(order_corners(pixels), sample.meta["width"], sample.meta["height"])}
+
+
+def draw(image: Image.Image, sample: Sample, predicted: dict | None) -> Image.Image:
+    """The ground-truth box in green and the predicted box (if any) in red."""
+    boxes = [(sample.answer, TRUTH_COLOUR)]
+    if predicted is not None:
+        boxes.append((predicted["box"], PREDICTION_COLOUR))
+    return draw_marks(image, boxes=boxes)
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -274,5 +294,8 @@ TASK = register_task(
         instruction=INSTRUCTION,
         metrics=("iou", "format", "acc_iou50"),
         reward_weights=dict(REWARD_WEIGHTS),
+        success="acc_iou50",
+        parse=prediction,
+        draw=draw,
     )
 )

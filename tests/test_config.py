@@ -78,3 +78,26 @@ def test_every_preset_loads_and_validates(path):
 def test_presets_exist():
     names = {p.name for p in CONFIGS}
     assert {"tiny-grounding-t4a4.yaml", "tiny-grounding-t16a1.yaml"} <= names
+
+
+def test_task_mixture_and_its_sources():
+    cfg = load_config(None, ["data.tasks={grounding: 3, vqa: 1}", "data.sources.vqa=/data/sqa.parquet"])
+    assert cfg.task_weights == {"grounding": 3.0, "vqa": 1.0}
+    assert cfg.task_source("vqa") == "/data/sqa.parquet" and cfg.task_source("grounding") is None
+    single = load_config(None, ["data.task=vqa", "data.source=/x.jsonl"])
+    assert single.task_weights == {"vqa": 1.0} and single.task_source("vqa") == "/x.jsonl"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.tasks={grounding: 0}"], "data.tasks weights must be > 0, got {'grounding': 0.0}"),
+        (["data.tasks={grounding: 1}", "data.source=/a.jsonl"], "with data.tasks name files in data.sources"),
+        (["data.sources.vqa=/a.jsonl"], "data.sources names ['vqa'], which are not in data.tasks []"),
+        (["data.tasks={grounding: x}"], "data.tasks.grounding='x' must be a number"),
+    ],
+)
+def test_bad_task_mixtures_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value)

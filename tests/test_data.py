@@ -36,3 +36,38 @@ def test_resume_with_other_data_is_refused():
 def test_empty_data_is_refused():
     with pytest.raises(ValueError, match="at least one sample"):
         PromptStream([], seed=0)
+
+
+def _task_samples(task, n):
+    return [Sample(task, f"{task}{i}", "q", (), None) for i in range(n)]
+
+
+def _mixture(seed=0, weights=None):
+    from vlm_grpo_ma.data import TaskMixture
+
+    weights = weights or {"a": 3.0, "b": 1.0}
+    streams = {name: PromptStream(_task_samples(name, 5), seed=seed) for name in weights}
+    return TaskMixture(streams, weights, seed=seed)
+
+
+def test_task_mixture_draws_tasks_by_weight():
+    tasks = [s.task for s in _mixture().take(4000)]
+    share_a = tasks.count("a") / len(tasks)
+    assert 0.72 < share_a < 0.78  # 3:1 -> 0.75; binomial sd over 4000 draws is 0.007
+    first_a = [s.id for s in _mixture().take(40) if s.task == "a"][:5]
+    assert sorted(first_a) == [f"a{i}" for i in range(5)]  # each task walks its own stream, one epoch at a time
+
+
+def test_task_mixture_resumes_exactly():
+    expected = [s.id for s in _mixture(seed=2).take(30)]
+    part = _mixture(seed=2)
+    head = [s.id for s in part.take(13)]
+    resumed = _mixture(seed=2)
+    resumed.load_state_dict(part.state_dict())
+    assert head + [s.id for s in resumed.take(17)] == expected
+
+
+def test_task_mixture_refuses_another_mixture_state():
+    state = _mixture(weights={"a": 1.0, "b": 1.0}).state_dict()
+    with pytest.raises(ValueError, match=r"mixed tasks \['a', 'b'\], this run mixes \['a', 'c'\]"):
+        _mixture(weights={"a": 1.0, "c": 1.0}).load_state_dict(state)

@@ -135,3 +135,25 @@ def test_cli_names_a_missing_data_file_and_a_missing_model(tmp_path, capsys):
     code = train_module.main(["--task", "grounding", f"model.name_or_path={tmp_path}/no-model", f"train.output_dir={tmp_path}/r"])
     assert code == 2
     assert "no such local folder" in capsys.readouterr().err
+
+
+def test_task_mixture_scores_each_prompt_by_its_own_task_and_logs_per_task(untrained_tiny_dir, tmp_path):
+    module = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")
+    cfg = _cfg(
+        untrained_tiny_dir, tmp_path / "run", "train.steps=3", "train.prompts_per_step=4",
+        "data.tasks={grounding: 1, answer_length: 1}", f"data.task_modules=[{module}]",
+    )
+    train_module.train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    both = [r for r in records if "reward/grounding/mean" in r and "reward/answer_length/mean" in r]
+    assert both, "a 3-step run drawing 4 prompts a step from two tasks has a step with both"
+    assert "reward/grounding/iou" in both[0] and "reward/answer_length/length" in both[0]
+    dumps = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    for dump in dumps:  # each prompt's answers carry its own task's reward parts
+        parts = set(dump["thoughts"][0]["answers"][0])
+        assert ("iou" in parts) != ("length" in parts)
+
+
+def test_task_flag_and_mixture_together_are_refused(capsys):
+    assert train_module.main(["--task", "grounding", "data.tasks={grounding: 1}"]) == 2
+    assert "both name the tasks" in capsys.readouterr().err

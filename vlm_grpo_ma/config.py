@@ -58,9 +58,12 @@ class AlgorithmConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "grounding"
+    task: str = "grounding"  # one task; or leave it and set `tasks` to mix several
+    tasks: dict[str, float] = field(default_factory=dict)  # a mixture {name: weight}; replaces `task` when set
     split: str = "train"
-    source: str | None = None  # a local file in a format the task loads; None = the embedded data
+    source: str | None = None  # a local file in a format `task` loads; None = the embedded data
+    sources: dict[str, str] = field(default_factory=dict)  # with `tasks`: {name: file}; unnamed tasks embedded
+    eval_split: str = "test"  # held-out split evaluated every train.eval_every steps
     task_modules: list[str] = field(default_factory=list)  # extra task modules (dotted names or .py paths)
     reward_weights: dict[str, float] = field(default_factory=dict)  # override the task's default weights
 
@@ -82,6 +85,8 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    eval_every: int = 0  # greedy evaluation on data.eval_split every N steps (0 = never)
+    eval_samples: int = 50  # held-out samples per task in each evaluation
 
 
 @dataclass
@@ -100,6 +105,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def task_weights(self) -> dict[str, float]:
+        """The run's tasks and their mixing weights (one task: ``{data.task: 1.0}``)."""
+        return dict(self.data.tasks) if self.data.tasks else {self.data.task: 1.0}
+
+    def task_source(self, name: str) -> str | None:
+        return self.data.sources.get(name) if self.data.tasks else self.data.source
 
     @property
     def answers_per_prompt(self) -> int:
@@ -140,6 +153,8 @@ NON_NEGATIVE = (
     "train.warmup_steps",
     "train.max_grad_norm",
     "train.num_threads",
+    "train.eval_every",
+    "train.eval_samples",
     "logging.rollout_samples_per_step",
 )
 
@@ -171,6 +186,15 @@ def validate(cfg: Config) -> Config:
             "algorithm.answer_baseline='thought' needs rollout.num_answers >= 2 (with one answer per thought"
             " every answer advantage would be 0); use answer_baseline='prompt' for plain GRPO"
         )
+    if cfg.data.tasks:
+        bad = {name: w for name, w in cfg.data.tasks.items() if not w > 0}
+        if bad:
+            raise ConfigError(f"data.tasks weights must be > 0, got {bad}")
+        if cfg.data.source is not None:
+            raise ConfigError("data.source is for a single data.task; with data.tasks name files in data.sources")
+    unknown_sources = sorted(set(cfg.data.sources) - set(cfg.data.tasks))
+    if unknown_sources:
+        raise ConfigError(f"data.sources names {unknown_sources}, which are not in data.tasks {sorted(cfg.data.tasks)}")
     for name, weight in cfg.data.reward_weights.items():
         if not isinstance(weight, (int, float)):
             raise ConfigError(f"data.reward_weights.{name}={weight!r} must be a number")

@@ -306,7 +306,12 @@ def _policy_logprobs(logits: torch.Tensor, temperature: float, suppressed: list[
 def _sample_tokens(
     logits: torch.Tensor, settings: SamplingSettings, suppressed: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens [N], their log-probs [N] under the policy's distribution)."""
+    """Sample one token per row; return (tokens [N], their log-probs [N] under the policy's distribution).
+    ``temperature == 0`` is greedy decoding (evaluation): the most likely token, its log-prob at temperature 1."""
+    if settings.temperature == 0:
+        logprobs = _policy_logprobs(logits, 1.0, suppressed)
+        tokens = logprobs.argmax(-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     logprobs = _policy_logprobs(logits, settings.temperature, suppressed)  # [N, V]
     probs = logprobs.exp()
     if settings.top_p < 1.0:

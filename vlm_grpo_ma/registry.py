@@ -63,6 +63,8 @@ class Completion:
 
 RewardFn = Callable[[Completion, Sample], dict[str, float]]
 LoadFn = Callable[..., list[Sample]]  # load(split: str, source: str | None = None) -> list[Sample]
+ParseFn = Callable[[Completion, Sample], Any]  # the parsed prediction, JSON-serialisable, for evaluation dumps
+DrawFn = Callable[[Any, Sample, Any], Any]  # draw(PIL image, sample, parsed prediction) -> annotated PIL image
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,12 @@ class Task:
     and never raises on malformed model output; ``instruction`` is appended to each question and tells the
     model the ``<think>...</think><answer>...</answer>`` format; ``metrics`` names the reward parts worth
     averaging in logs (e.g. ``iou``); ``reward_weights`` are the default weights of the parts in ``"reward"``
-    (a config can override them)."""
+    (a config can override them).
+
+    For evaluation: ``success`` names the 0/1 part that means "correct" (accuracy and pass@k are computed
+    from it, e.g. ``acc_iou50``); ``parse(completion, sample)`` gives the prediction as the reward read it
+    (e.g. the box in original pixels), written to the per-sample dump; ``draw(image, sample, prediction)``
+    returns the image with the prediction and the ground truth drawn on it (tasks with boxes or points)."""
 
     name: str
     load: LoadFn
@@ -79,6 +86,9 @@ class Task:
     instruction: str
     metrics: tuple[str, ...] = ()
     reward_weights: dict[str, float] = field(default_factory=dict)
+    success: str | None = None
+    parse: ParseFn | None = None
+    draw: DrawFn | None = None
 
 
 def weighted_reward(parts: dict[str, float], weights: dict[str, float]) -> float:

@@ -23,11 +23,19 @@ class ScoredRollout:
 
 
 def reward_weights_for(task: Task, overrides: dict[str, float]) -> dict[str, float]:
-    unknown = sorted(set(overrides) - set(task.reward_weights) - set(task.metrics))
+    """The task's default part weights with the overrides that name one of its parts (in a task mixture an
+    override like ``format`` applies to every task that has that part)."""
+    known = set(task.reward_weights) | set(task.metrics)
+    return {**task.reward_weights, **{name: w for name, w in overrides.items() if name in known}}
+
+
+def check_reward_overrides(tasks: list[Task], overrides: dict[str, float]) -> None:
+    """Raise ValueError, naming the valid parts, when an override names a part no task of the run has."""
+    known = {name for task in tasks for name in (*task.reward_weights, *task.metrics)}
+    unknown = sorted(set(overrides) - known)
     if unknown:
-        valid = sorted(set(task.reward_weights) | set(task.metrics))
-        raise ValueError(f"data.reward_weights names unknown parts {unknown} of task {task.name!r}; valid: {valid}")
-    return {**task.reward_weights, **overrides}
+        names = ", ".join(task.name for task in tasks)
+        raise ValueError(f"data.reward_weights names unknown parts {unknown} of task(s) {names}; valid: {sorted(known)}")
 
 
 def score_rollout(

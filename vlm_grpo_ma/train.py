@@ -22,7 +22,7 @@ from vlm_grpo_ma import checkpoint as ckpt
 from vlm_grpo_ma.advantages import grpo_ma_advantages
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
-from vlm_grpo_ma.data import PromptStream
+from vlm_grpo_ma.data import PromptStream, TaskMixture
 from vlm_grpo_ma.loss import policy_loss
 from vlm_grpo_ma.metrics import RunLogger, format_summary, read_metrics, summarize
 from vlm_grpo_ma.policy import (
@@ -35,8 +35,8 @@ from vlm_grpo_ma.policy import (
     load_policy,
     sequence_logprobs,
 )
-from vlm_grpo_ma.registry import get_task, import_task_modules
-from vlm_grpo_ma.rewards import ScoredRollout, reward_weights_for, score_rollout
+from vlm_grpo_ma.registry import Task, get_task, import_task_modules
+from vlm_grpo_ma.rewards import ScoredRollout, check_reward_overrides, score_rollout
 from vlm_grpo_ma.rollout import Rollout, generate_rollout
 
 log = logging.getLogger("vlm_grpo_ma.train")
@@ -144,13 +144,28 @@ def _logprobs_in_chunks(policy, batch: TrainBatch, prompts, cfg: Config) -> torc
     return torch.cat(chunks)
 
 
-def rollout_metrics(rollout: Rollout, scored: ScoredRollout, thought_adv: torch.Tensor, task_metrics) -> dict:
+def _nan_mean(values: torch.Tensor) -> float:
+    return float(values[~values.isnan()].mean())
+
+
+def rollout_metrics(rollout: Rollout, scored: ScoredRollout, thought_adv: torch.Tensor, tasks: dict[str, Task]) -> dict:
+    """Step metrics. Each task's logged parts are averaged over the answers that have them
+    (``reward/iou``); with several tasks every task also gets ``reward/<task>/mean`` and
+    ``reward/<task>/<part>`` over its own prompts of the step."""
     tree = rollout.tree
     metrics = {"reward/mean": float(scored.rewards.mean()), "reward/std": float(scored.rewards.std())}
-    for name in task_metrics:
-        if name in scored.parts:
-            values = scored.parts[name]
-            metrics[f"reward/{name}"] = float(values[~values.isnan()].mean())
+    part_names = sorted({name for task in tasks.values() for name in task.metrics} & set(scored.parts))
+    for name in part_names:
+        metrics[f"reward/{name}"] = _nan_mean(scored.parts[name])
+    if len(tasks) > 1:
+        prompt_task = [sample.task for sample in rollout.samples]
+        for task_name, task in tasks.items():
+            rows = torch.tensor([t == task_name for t in prompt_task])
+            if not rows.any():
+                continue
+            metrics[f"reward/{task_name}/mean"] = float(scored.rewards[rows].mean())
+            for name in sorted(set(task.metrics) & set(scored.parts)):
+                metrics[f"reward/{task_name}/{name}"] = _nan_mean(scored.parts[name][rows])
     per_thought_mean = scored.rewards.mean(-1)  # [B, K]
     metrics["advantage/thought_reward_spread"] = float(per_thought_mean.std(-1).mean())
     metrics["advantage/thought_abs_mean"] = float(thought_adv.abs().mean())
@@ -174,9 +189,31 @@ def rollout_records(step: int, rollout: Rollout, scored: ScoredRollout, how_many
             thoughts.append({"thought": rollout.completions[rollout.answer_row(b, k, 0)].thought, "answers": answers})
         images = [img if isinstance(img, str) else "<in-memory image>" for img in sample.images]
         records.append(
-            {"step": step, "sample_id": sample.id, "images": images, "question": sample.question, "thoughts": thoughts}
+            {"step": step, "task": sample.task, "sample_id": sample.id, "images": images, "question": sample.question,
+             "thoughts": thoughts}
         )
     return records
+
+
+def load_prompt_stream(cfg: Config) -> tuple[dict[str, Task], PromptStream | TaskMixture]:
+    """The run's tasks and their seeded prompt stream (a TaskMixture when data.tasks mixes several).
+    Raises ConfigError naming the task, split and source when data cannot be loaded."""
+    import_task_modules(cfg.data.task_modules)
+    tasks = {name: get_task(name) for name in cfg.task_weights}
+    try:  # fail now, not mid-run, on an unknown part name
+        check_reward_overrides(list(tasks.values()), cfg.data.reward_weights)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    streams = {}
+    for name, task in tasks.items():
+        source = cfg.task_source(name)
+        try:
+            streams[name] = PromptStream(task.load(cfg.data.split, source), seed=cfg.train.seed)
+        except (FileNotFoundError, ValueError) as error:
+            raise ConfigError(f"data.task={name} data.split={cfg.data.split} data.source={source}: {error}") from error
+    if not cfg.data.tasks:
+        return tasks, streams[cfg.data.task]
+    return tasks, TaskMixture(streams, cfg.data.tasks, seed=cfg.train.seed)
 
 
 def train(cfg: Config, *, resume: bool = False) -> dict:
@@ -192,16 +229,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # --- tasks and data ---------------------------------------------------------------------------------
-    import_task_modules(cfg.data.task_modules)
-    task = get_task(cfg.data.task)
-    reward_weights_for(task, cfg.data.reward_weights)  # fail now, not mid-run, on an unknown part name
-    try:
-        samples = task.load(cfg.data.split, cfg.data.source)
-    except (FileNotFoundError, ValueError) as error:
-        raise ConfigError(
-            f"data.task={cfg.data.task} data.split={cfg.data.split} data.source={cfg.data.source}: {error}"
-        ) from error
-    stream = PromptStream(samples, seed=cfg.train.seed)
+    tasks, stream = load_prompt_stream(cfg)
 
     # --- model, reference, optimiser ----------------------------------------------------------------------
     model_path = cfg.model.name_or_path
@@ -250,14 +278,14 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     if accelerator.is_main_process:
         save_config(cfg, run_dir / "config.yaml")
         log.info(
-            "model %s (%s, %d parameters, attention %s, coordinate frame %s); task %s with %d samples; "
+            "model %s (%s, %d parameters, attention %s, coordinate frame %s); tasks %s with %d samples; "
             "K=%d thoughts x M=%d answers",
             cfg.model.name_or_path,
             type(policy.model).__name__,
             count_parameters(policy.model),
             policy.model.config._attn_implementation,
             policy.frame.value,
-            task.name,
+            ", ".join(f"{name} ({weight:g})" for name, weight in cfg.task_weights.items()),
             len(stream.samples),
             cfg.rollout.num_thoughts,
             cfg.rollout.num_answers,
@@ -332,7 +360,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             step += 1
 
             seconds = time.perf_counter() - started
-            metrics = rollout_metrics(rollout, scored, thought_adv, task.metrics)
+            metrics = rollout_metrics(rollout, scored, thought_adv, tasks)
             metrics.update(update)
             trained_tokens = float(batch.token_weights.sum())
             generated_tokens = sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
@@ -396,8 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg = load_config(args.config, overrides)
+        if args.task and cfg.data.tasks:
+            raise ConfigError(f"--task {args.task} and data.tasks {cfg.data.tasks} both name the tasks; give one")
         import_task_modules(cfg.data.task_modules)
-        get_task(cfg.data.task)
+        for name in cfg.task_weights:
+            get_task(name)
     except (ConfigError, KeyError, FileNotFoundError) as error:  # KeyError: an unknown task name
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
