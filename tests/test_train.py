@@ -157,3 +157,22 @@ def test_task_mixture_scores_each_prompt_by_its_own_task_and_logs_per_task(untra
 def test_task_flag_and_mixture_together_are_refused(capsys):
     assert train_module.main(["--task", "grounding", "data.tasks={grounding: 1}"]) == 2
     assert "both name the tasks" in capsys.readouterr().err
+
+
+def test_held_out_evaluation_every_n_steps_uses_the_evaluate_code(untrained_tiny_dir, tmp_path, capsys):
+    cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=3", "train.eval_every=2", "train.eval_samples=2")
+    summary = train_module.train(cfg)
+    run = tmp_path / "run"
+    records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert [s for s, r in records.items() if "eval/grounding/iou" in r] == [2, 3]  # every 2 steps and at the end
+    assert records[2]["eval/grounding/prompts"] == 2
+    lines = (run / "eval" / "step-000002" / "grounding.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["test_00000", "test_00001"]
+    assert summary["eval"]["eval/grounding/accuracy"]["step"] == 3
+    assert "eval/grounding/iou" in capsys.readouterr().out
+
+
+def test_evaluation_data_errors_name_the_task(untrained_tiny_dir, tmp_path):
+    cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.eval_every=2", "data.eval_split=validation")
+    with pytest.raises(Exception, match="evaluation data of task grounding .*unknown grounding split 'validation'"):
+        train_module.train(cfg)

@@ -63,7 +63,8 @@ class DataConfig:
     split: str = "train"
     source: str | None = None  # a local file in a format `task` loads; None = the embedded data
     sources: dict[str, str] = field(default_factory=dict)  # with `tasks`: {name: file}; unnamed tasks embedded
-    eval_split: str = "test"  # held-out split evaluated every train.eval_every steps
+    eval_split: str = "test"  # held-out embedded split evaluated every train.eval_every steps
+    eval_sources: dict[str, str] = field(default_factory=dict)  # {task: file} held-out files instead
     task_modules: list[str] = field(default_factory=list)  # extra task modules (dotted names or .py paths)
     reward_weights: dict[str, float] = field(default_factory=dict)  # override the task's default weights
 
@@ -195,6 +196,9 @@ def validate(cfg: Config) -> Config:
     unknown_sources = sorted(set(cfg.data.sources) - set(cfg.data.tasks))
     if unknown_sources:
         raise ConfigError(f"data.sources names {unknown_sources}, which are not in data.tasks {sorted(cfg.data.tasks)}")
+    unknown_eval = sorted(set(cfg.data.eval_sources) - set(cfg.task_weights))
+    if unknown_eval:
+        raise ConfigError(f"data.eval_sources names {unknown_eval}, which are not tasks of this run {sorted(cfg.task_weights)}")
     for name, weight in cfg.data.reward_weights.items():
         if not isinstance(weight, (int, float)):
             raise ConfigError(f"data.reward_weights.{name}={weight!r} must be a number")

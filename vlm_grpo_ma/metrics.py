@@ -92,6 +92,14 @@ def summarize(records: list[dict], keys: tuple[str, ...] = ("reward/mean", "rewa
             "gain": b - a,
             "step_noise_std": _std([r.get(key) for r in last]),
         }
+    evaluated = [r for r in records if any(k.startswith("eval/") for k in r)]
+    if evaluated:
+        first_eval, last_eval = evaluated[0], evaluated[-1]
+        summary["eval"] = {
+            key: {"step": last_eval["step"], "value": value, "first_step": first_eval["step"], "first_value": first_eval.get(key)}
+            for key, value in last_eval.items()
+            if key.startswith("eval/")
+        }
     return summary
 
 
@@ -103,4 +111,12 @@ def format_summary(summary: dict) -> str:
                 f"  {key:<14} first fifth {value['first_fifth']:.4f}   last fifth {value['last_fifth']:.4f}"
                 f"   gain {value['gain']:+.4f}   (step-to-step std {value['step_noise_std']:.4f})"
             )
+    for key, value in summary.get("eval", {}).items():
+        if key.split("/")[-1] in ("prompts", "answers", "errors"):
+            continue
+        first = value["first_value"]
+        lines.append(
+            f"  {key:<30} step {value['first_step']}: {first if first is None else f'{first:.4f}'}"
+            f"   step {value['step']}: {value['value']:.4f}"
+        )
     return "\n".join(lines)

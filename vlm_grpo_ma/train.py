@@ -23,6 +23,7 @@ from vlm_grpo_ma.advantages import grpo_ma_advantages
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
 from vlm_grpo_ma.data import PromptStream, TaskMixture
+from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
 from vlm_grpo_ma.loss import policy_loss
 from vlm_grpo_ma.metrics import RunLogger, format_summary, read_metrics, summarize
 from vlm_grpo_ma.policy import (
@@ -35,7 +36,7 @@ from vlm_grpo_ma.policy import (
     load_policy,
     sequence_logprobs,
 )
-from vlm_grpo_ma.registry import Task, get_task, import_task_modules
+from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules
 from vlm_grpo_ma.rewards import ScoredRollout, check_reward_overrides, score_rollout
 from vlm_grpo_ma.rollout import Rollout, generate_rollout
 
@@ -216,6 +217,40 @@ def load_prompt_stream(cfg: Config) -> tuple[dict[str, Task], PromptStream | Tas
     return tasks, TaskMixture(streams, cfg.data.tasks, seed=cfg.train.seed)
 
 
+def load_eval_sets(cfg: Config, tasks: dict[str, Task]) -> dict[str, tuple[Task, list[Sample]]]:
+    """The held-out samples evaluated every ``train.eval_every`` steps: the first ``train.eval_samples`` of
+    each task's ``data.eval_sources`` file, else of its embedded ``data.eval_split``."""
+    if not cfg.train.eval_every:
+        return {}
+    sets = {}
+    for name, task in tasks.items():
+        source = cfg.data.eval_sources.get(name)
+        try:
+            samples = task.load(cfg.data.eval_split, source)
+        except (FileNotFoundError, ValueError) as error:
+            raise ConfigError(
+                f"evaluation data of task {name} (data.eval_split={cfg.data.eval_split} data.eval_sources: {source}): {error}"
+            ) from error
+        sets[name] = (task, samples[: cfg.train.eval_samples])
+    return sets
+
+
+def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path) -> dict[str, float]:
+    """Greedy evaluation with the evaluate CLI's code; per-sample records go to ``folder/<task>.jsonl``."""
+    settings = EvalSettings(
+        max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens, seed=cfg.train.seed
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    metrics = {}
+    for name, (task, samples) in eval_sets.items():
+        task_metrics, _ = evaluate_task(
+            policy, task, samples, settings, batch_size=cfg.train.prompts_per_step * cfg.rollout.num_thoughts,
+            records_path=folder / f"{name}.jsonl", progress=False,
+        )
+        metrics.update({f"eval/{name}/{key}": value for key, value in task_metrics.items()})
+    return metrics
+
+
 def train(cfg: Config, *, resume: bool = False) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -230,6 +265,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
 
     # --- tasks and data ---------------------------------------------------------------------------------
     tasks, stream = load_prompt_stream(cfg)
+    eval_sets = load_eval_sets(cfg, tasks)
 
     # --- model, reference, optimiser ----------------------------------------------------------------------
     model_path = cfg.model.name_or_path
@@ -375,8 +411,11 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                     **{f"count/{k}": v for k, v in counters.items()},
                 }
             )
+            evaluate_now = bool(eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+            if evaluate_now and accelerator.is_main_process:
+                metrics.update(evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / f"step-{step:06d}"))
             if accelerator.is_main_process:
-                if step % cfg.logging.log_every == 0 or step == cfg.train.steps:
+                if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluate_now:
                     logger.log_step(step, metrics)
                 logger.log_rollouts(rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
@@ -391,13 +430,25 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     finally:
         logger.close()
 
-    summary = summarize(read_metrics(run_dir))
+    headline = ["reward/mean"] + [f"reward/{t.metrics[0]}" for t in tasks.values() if t.metrics]
+    if len(tasks) > 1:
+        headline += [f"reward/{name}/mean" for name in tasks]
+    summary = summarize(read_metrics(run_dir), keys=tuple(dict.fromkeys(headline)))
     summary["counters"] = dict(counters)
     if accelerator.is_main_process:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
         print(format_summary(summary), flush=True)
         print(f"run directory: {run_dir}", flush=True)
     return summary
+
+
+def _json_safe(value):
+    """NaN (e.g. a noise estimate from a single step) becomes null: summary.json stays strict JSON."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
