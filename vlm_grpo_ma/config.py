@@ -29,6 +29,13 @@ class ModelConfig:
     min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
     max_pixels: int | None = None
     gradient_checkpointing: bool = False
+    freeze_vision: bool = False  # keep the vision tower (and its merger) fixed; train the language model only
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of all weights
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )  # module-name suffixes in the language model that get adapters
 
 
 @dataclass
@@ -86,6 +93,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    mixed_precision: str = "no"  # "bf16": autocast through accelerate (GPU); weights stay in model.dtype
     eval_every: int = 0  # greedy evaluation on data.eval_split every N steps (0 = never)
     eval_samples: int = 50  # held-out samples per task in each evaluation
 
@@ -129,6 +137,7 @@ CHOICES = {
     "rollout.truncated_thoughts": ("close", "zero"),
     "algorithm.answer_baseline": ("prompt", "thought"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
+    "train.mixed_precision": ("no", "bf16", "fp16"),
 }
 POSITIVE = (
     "rollout.num_thoughts",
@@ -150,6 +159,8 @@ NON_NEGATIVE = (
     "algorithm.clip_low",
     "algorithm.clip_high",
     "algorithm.kl_coef",
+    "model.lora_rank",
+    "model.lora_dropout",
     "train.weight_decay",
     "train.warmup_steps",
     "train.max_grad_norm",
