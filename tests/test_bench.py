@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlm_grpo_ma.bench import bench_prompts, bench_rollout, load_bench_policy, reencode_answers, run_branched
-from vlm_grpo_ma.policy import SamplingSettings, _policy_logprobs
+from vlm_grpo_ma.policy import SamplingSettings, _policy_logprobs, prompt_generators
 
 K, M = 2, 2
 THOUGHT_TOKENS, ANSWER_TOKENS = 6, 4
@@ -56,7 +56,7 @@ def test_first_token_check_can_fail(tiny_policy):
         return SamplingSettings(
             max_thought_tokens=THOUGHT_TOKENS,
             max_answer_tokens=ANSWER_TOKENS,
-            generator=torch.Generator().manual_seed(0),
+            generators=prompt_generators(0, 0, len(prompts)),
         )
 
     _, tree = run_branched(policy, prompts, num_thoughts=K, num_answers=M, settings=settings())

@@ -159,10 +159,8 @@ def _samples(n):
 
 def _settings(seed=0):
     # thought_stop "e" makes untrained-model thoughts stop at uneven lengths (a real "</think>" is rare)
-    return SamplingSettings(
-        temperature=1.0, max_thought_tokens=14, max_answer_tokens=8, thought_stop="e",
-        generator=torch.Generator().manual_seed(seed),
-    )  # fmt: skip
+    torch.manual_seed(seed)  # these settings sample from the global generator
+    return SamplingSettings(temperature=1.0, max_thought_tokens=14, max_answer_tokens=8, thought_stop="e")
 
 
 def test_loads_the_real_class_with_relative_frame(family_policy):

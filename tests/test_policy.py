@@ -28,7 +28,8 @@ def _samples(n):
 
 def _settings(seed=0, **overrides):
     # thought_stop "e" makes untrained-model thoughts stop at uneven lengths (a real "</think>" is rare)
-    values = dict(temperature=1.0, max_thought_tokens=14, max_answer_tokens=8, thought_stop="e", generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)  # these settings sample from the global generator
+    values = dict(temperature=1.0, max_thought_tokens=14, max_answer_tokens=8, thought_stop="e")
     values.update(overrides)
     return SamplingSettings(**values)
 
@@ -159,3 +160,21 @@ def test_prompts_without_images_branch_like_image_prompts(tiny_policy, with_imag
     worst, compared = branched_vs_reencoded(tiny_policy, prompts, tree, 2, 2)
     assert compared > 0
     assert worst <= 1e-4
+
+
+def test_a_prompts_tree_does_not_depend_on_its_batch(tiny_policy):
+    """Per-prompt generators: prompts 2 and 3 sample the same trees alone as in a batch of four (what lets a
+    run split over processes sample what a one-process run samples)."""
+    from vlm_grpo_ma.policy import prompt_generators
+
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(4)]
+    settings = dict(max_thought_tokens=10, max_answer_tokens=6)
+    whole = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2,
+                        settings=SamplingSettings(**settings, generators=prompt_generators(7, 0, 4)))
+    part = sample_tree(tiny_policy, prompts[2:], num_thoughts=2, num_answers=2,
+                       settings=SamplingSettings(**settings, generators=prompt_generators(7, 2, 2)))
+    assert whole.thought_ids[4:] == part.thought_ids
+    assert whole.answer_ids[8:] == part.answer_ids
+    other_seed = sample_tree(tiny_policy, prompts[2:], num_thoughts=2, num_answers=2,
+                             settings=SamplingSettings(**settings, generators=prompt_generators(8, 2, 2)))
+    assert other_seed.thought_ids != part.thought_ids

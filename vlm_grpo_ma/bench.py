@@ -48,6 +48,7 @@ from vlm_grpo_ma.policy import (
     load_policy,
     open_image,
     prefill,
+    prompt_generators,
     sample_tree,
 )
 from vlm_grpo_ma.registry import get_task
@@ -232,7 +233,7 @@ def bench_rollout(
 ) -> dict:
     """Time (a) branched and (b) re-encode rollouts, interleaved; ``warmup`` unrecorded rounds first.
 
-    Every run samples from ``torch.Generator().manual_seed(seed)``, so (a) and (b) draw the same thoughts
+    Every run samples from fresh per-prompt generators seeded by ``seed``, so (a) and (b) draw the same thoughts
     and (up to float noise in the logits) the same answers. Returns a JSON-able dict of medians, ratios
     (re-encode / branched: > 1 means branching is faster), token counts and the first-token check.
     """
@@ -242,7 +243,7 @@ def bench_rollout(
             temperature=temperature,
             max_thought_tokens=max_thought_tokens,
             max_answer_tokens=max_answer_tokens,
-            generator=torch.Generator().manual_seed(seed),
+            generators=prompt_generators(seed, 0, len(prompts)),
         )
 
     k, m = num_thoughts, num_answers

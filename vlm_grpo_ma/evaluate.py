@@ -37,6 +37,7 @@ from vlm_grpo_ma.policy import (
     encode_prompt,
     load_policy,
     open_image,
+    prompt_generators,
 )
 from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules, weighted_reward
 from vlm_grpo_ma.rollout import generate_rollout
@@ -136,6 +137,7 @@ def generate_records(
     """Per batch of prompts, one record per answer: {id, sample_index, thought, answer, prediction, parts,
     thought_tokens, answer_tokens, error}. A sample whose image cannot be read gets records with reward 0
     and ``error: "image"`` (counted in the ``errors`` metric), never an exception."""
+    position = {sample.id: i for i, sample in enumerate(samples)}
     was_training = policy.model.training
     policy.model.eval()
     try:
@@ -154,7 +156,8 @@ def generate_records(
                     temperature=0.0 if settings.greedy else settings.temperature,
                     max_thought_tokens=settings.max_thought_tokens,
                     max_answer_tokens=settings.max_answer_tokens,
-                    generator=torch.Generator().manual_seed(settings.seed * 1_000_003 + start),
+                    # per sample: what a sample gets does not depend on the batch size or on resuming
+                    generators=[prompt_generators(settings.seed, position[s.id], 1)[0] for s in encodable],
                 )
                 rollout = generate_rollout(
                     policy, encodable, prompts, num_thoughts=settings.samples, num_answers=1, settings=sampling

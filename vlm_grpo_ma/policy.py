@@ -15,6 +15,7 @@ shorter thought would then see its answer shifted in RoPE position and get diffe
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,8 @@ class Policy:
     model: torch.nn.Module
     processor: object
     frame: CoordinateFrame
+    # With LoRA: the peft wrapper of ``model`` (its LoRA layers live inside ``model``; see vlm_grpo_ma/lora.py)
+    adapter: object | None = None
 
     @property
     def tokenizer(self):
@@ -106,6 +109,18 @@ def pick_attn_implementation(requested: str) -> str:
     return "sdpa"
 
 
+def _checked_model_path(name_or_path: str, what: str) -> str:
+    """``tiny`` -> the embedded folder; a local-looking path must exist (hub ids pass through)."""
+    path = resolve_model_path(name_or_path)
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
+    if looks_local and not Path(path).expanduser().exists():
+        raise FileNotFoundError(
+            f"{what} {name_or_path!r}: no such local folder (give a folder, a hub id like"
+            " Qwen/Qwen2.5-VL-3B-Instruct, or 'tiny' for the embedded model)"
+        )
+    return str(Path(path).expanduser()) if looks_local else path
+
+
 def load_policy(
     name_or_path: str,
     *,
@@ -115,20 +130,32 @@ def load_policy(
     max_pixels: int | None = None,
     device: torch.device | str = "cpu",
 ) -> Policy:
-    """Load a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (hub id or local path; ``tiny`` = the embedded one)."""
+    """Load a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (hub id or local path; ``tiny`` = the embedded one).
+
+    A folder with ``adapter_config.json`` (a LoRA checkpoint) loads the base model it names in
+    ``base_model_name_or_path``, then the adapter, trainable (resume continues training it): ``policy.model``
+    is the base model with the LoRA layers inside, ``policy.adapter`` the peft wrapper.
+    """
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    path = resolve_model_path(name_or_path)
-    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
-    if looks_local and not Path(path).expanduser().exists():
-        raise FileNotFoundError(
-            f"model.name_or_path {name_or_path!r}: no such local folder (give a folder, a hub id like"
-            " Qwen/Qwen2.5-VL-3B-Instruct, or 'tiny' for the embedded model)"
-        )
-    path = str(Path(path).expanduser()) if looks_local else path
+    path = _checked_model_path(name_or_path, "model.name_or_path")
+    processor_path, adapter_dir = path, None
+    if (Path(path) / "adapter_config.json").is_file():
+        adapter_dir = Path(path)
+        base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{adapter_dir / 'adapter_config.json'} names no base_model_name_or_path")
+        path = _checked_model_path(base, f"base model of the LoRA adapter {adapter_dir}:")
+        if (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"the base model of {adapter_dir} is itself an adapter ({path}); merge it first")
+        # a checkpoint saves the processor next to the adapter; a bare adapter folder uses the base's
+        if any((adapter_dir / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
+            processor_path = str(adapter_dir)
+        else:
+            processor_path = path
     config = AutoConfig.from_pretrained(path)
     frame = coordinate_frame_for(config.model_type)
-    processor = AutoProcessor.from_pretrained(path)
+    processor = AutoProcessor.from_pretrained(processor_path)
     if min_pixels is not None or max_pixels is not None:
         # the image processor's resize bounds (in pixels) live in size = {shortest_edge, longest_edge}
         size = dict(processor.image_processor.size)
@@ -139,7 +166,13 @@ def load_policy(
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=getattr(torch, dtype), attn_implementation=pick_attn_implementation(attn_implementation)
     ).to(device)
-    return Policy(model=model, processor=processor, frame=frame)
+    adapter = None
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        # LoRA layers are injected into `model` in place; base weights stay frozen, the adapter trains
+        adapter = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    return Policy(model=model, processor=processor, frame=frame, adapter=adapter)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -291,7 +324,15 @@ class SamplingSettings:
     max_answer_tokens: int = 32
     thought_stop: str = "</think>"
     answer_stop: str = "</answer>"
-    generator: torch.Generator | None = field(default=None, repr=False)
+    # One generator per prompt: prompt p's rows (its K thoughts, then its K*M answers) draw from generators[p]
+    # alone, so a prompt's tree does not depend on which prompts share its batch: a run split over several
+    # processes samples what a one-process run samples. None: torch's global generator.
+    generators: Sequence[torch.Generator] | None = field(default=None, repr=False)
+
+
+def prompt_generators(seed: int, first_prompt: int, count: int) -> list[torch.Generator]:
+    """Generators of prompts ``first_prompt .. first_prompt + count - 1`` of a draw seeded by ``seed``."""
+    return [torch.Generator().manual_seed(seed * 1_000_003 + first_prompt + p) for p in range(count)]
 
 
 def _policy_logprobs(logits: torch.Tensor, temperature: float, suppressed: list[int]) -> torch.Tensor:
@@ -318,7 +359,20 @@ def _sample_tokens(
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         keep = sorted_probs.cumsum(-1) - sorted_probs < settings.top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
-    tokens = torch.multinomial(probs.cpu(), 1, generator=settings.generator).squeeze(-1).to(logits.device)
+    probs = probs.cpu()
+    if settings.generators is None:
+        tokens = torch.multinomial(probs, 1).squeeze(-1)
+    else:
+        rows_per_prompt, leftover = divmod(probs.shape[0], len(settings.generators))
+        if leftover or not rows_per_prompt:
+            raise ValueError(f"{probs.shape[0]} rows cannot be split over {len(settings.generators)} prompt generators")
+        tokens = torch.cat(
+            [
+                torch.multinomial(rows, 1, generator=generator).squeeze(-1)
+                for rows, generator in zip(probs.split(rows_per_prompt), settings.generators, strict=True)
+            ]
+        )
+    tokens = tokens.to(logits.device)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -483,6 +537,19 @@ def sample_tree(
 
 # ----------------------------------------------------------------------------------------------------------
 # Log-probs of given sequences (training forward)
+
+
+class CompletionScorer(torch.nn.Module):
+    """``sequence_logprobs`` as one module call, for training: data-parallel wrappers (DDP through
+    ``accelerator.prepare``) see the whole forward, vision tower included, and synchronise its gradients."""
+
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.model = policy.model  # registers the parameters; the policy object itself is not a module
+        self._policy = policy
+
+    def forward(self, prompts, row_prompt, completions, *, temperature: float) -> torch.Tensor:
+        return sequence_logprobs(self._policy, prompts, row_prompt, completions, temperature=temperature)
 
 
 def sequence_logprobs(

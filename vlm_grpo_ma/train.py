@@ -27,6 +27,7 @@ from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
 from vlm_grpo_ma.loss import policy_loss
 from vlm_grpo_ma.metrics import RunLogger, format_summary, read_metrics, summarize
 from vlm_grpo_ma.policy import (
+    CompletionScorer,
     EncodedPrompt,
     ImageLoadError,
     Policy,
@@ -34,6 +35,7 @@ from vlm_grpo_ma.policy import (
     count_parameters,
     encode_prompt,
     load_policy,
+    prompt_generators,
     sequence_logprobs,
 )
 from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules
@@ -80,10 +82,23 @@ def draw_prompts(
 
 
 def update_policy(
-    policy: Policy, batch: TrainBatch, prompts: list[EncodedPrompt], cfg: Config, accelerator, optimizer, ref_policy
+    policy: Policy,
+    scorer: torch.nn.Module,
+    batch: TrainBatch,
+    prompts: list[EncodedPrompt],
+    cfg: Config,
+    accelerator,
+    optimizer,
+    ref_policy,
 ) -> dict[str, float]:
-    """One optimiser step over micro-batches; token-level mean over the whole step (see loss.policy_loss)."""
-    total_weight = batch.total_weight()
+    """One optimiser step over micro-batches; token-level mean over the whole step (see loss.policy_loss).
+
+    ``scorer`` is ``CompletionScorer(policy)`` as ``accelerator.prepare`` returned it (DDP-wrapped with
+    several processes, which then average gradients): each process divides its loss by the global token
+    weight over the number of processes, so the averaged gradient is the one-process gradient of the global
+    batch."""
+    local_weight = torch.tensor(batch.total_weight(), dtype=torch.float64, device=accelerator.device)
+    total_weight = float(accelerator.reduce(local_weight, reduction="sum")) / accelerator.num_processes
     stats = Counter()
     old_logprobs = None
     if cfg.algorithm.num_iterations > 1:
@@ -94,9 +109,7 @@ def update_policy(
         optimizer.zero_grad(set_to_none=True)
         for start in range(0, batch.num_rows, cfg.train.micro_batch_rows):
             micro = batch.rows(start, start + cfg.train.micro_batch_rows)
-            logprobs = sequence_logprobs(
-                policy, prompts, micro.row_prompt, micro.completion_ids, temperature=cfg.rollout.temperature
-            )
+            logprobs = scorer(prompts, micro.row_prompt, micro.completion_ids, temperature=cfg.rollout.temperature)
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
             old = logprobs.detach() if old_logprobs is None else old_logprobs[start : start + micro.num_rows, : logprobs.shape[1]]
@@ -196,6 +209,39 @@ def rollout_records(step: int, rollout: Rollout, scored: ScoredRollout, how_many
     return records
 
 
+def sum_over_processes(accelerator, counts: Counter) -> Counter:
+    """Counters summed over the processes (every process gets the total)."""
+    if accelerator.num_processes == 1:
+        return counts
+    from accelerate.utils import gather_object
+
+    total = Counter()
+    for part in gather_object([dict(counts)]):
+        total.update(part)
+    return total
+
+
+def mean_over_processes(accelerator, metrics: dict[str, float]) -> dict[str, float]:
+    """Step metrics averaged over the processes that logged them (each holds an equal share of the step's
+    prompts), except ``*_max`` (the maximum) and ``count/*`` (already the same everywhere). ``reward/std``
+    becomes the mean of the per-process standard deviations."""
+    if accelerator.num_processes == 1:
+        return metrics
+    from accelerate.utils import gather_object
+
+    parts = gather_object([metrics])
+    merged = {}
+    for key in dict.fromkeys(k for part in parts for k in part):
+        values = [part[key] for part in parts if key in part]
+        if key.endswith("_max"):
+            merged[key] = max(values)
+        elif key.startswith("count/"):
+            merged[key] = values[0]
+        else:
+            merged[key] = sum(values) / len(values)
+    return merged
+
+
 def load_prompt_stream(cfg: Config) -> tuple[dict[str, Task], PromptStream | TaskMixture]:
     """The run's tasks and their seeded prompt stream (a TaskMixture when data.tasks mixes several).
     Raises ConfigError naming the task, split and source when data cannot be loaded."""
@@ -253,12 +299,24 @@ def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path
 
 def train(cfg: Config, *, resume: bool = False) -> dict:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=cfg.train.mixed_precision,
+        # a step may leave parts unused on one process (no image prompts there: no vision tower)
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+    )
+    num_processes, rank = accelerator.num_processes, accelerator.process_index
+    if cfg.train.prompts_per_step % num_processes:
+        raise ConfigError(
+            f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the {num_processes} "
+            "processes: each process takes an equal share of the step's prompts (whole K x M groups)"
+        )
+    prompts_per_process = cfg.train.prompts_per_step // num_processes
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -303,7 +361,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         weight_decay=cfg.train.weight_decay,
     )
     scheduler = make_scheduler(optimizer, cfg)
-    optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    scorer, optimizer, scheduler = accelerator.prepare(CompletionScorer(policy), optimizer, scheduler)
     if history_state is not None:
         optimizer.load_state_dict(history_state["optimizer"])
         scheduler.load_state_dict(history_state["scheduler"])
@@ -315,7 +373,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         save_config(cfg, run_dir / "config.yaml")
         log.info(
             "model %s (%s, %d parameters, attention %s, coordinate frame %s); tasks %s with %d samples; "
-            "K=%d thoughts x M=%d answers",
+            "K=%d thoughts x M=%d answers; %d process(es) of %d prompts each",
             cfg.model.name_or_path,
             type(policy.model).__name__,
             count_parameters(policy.model),
@@ -325,6 +383,8 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             len(stream.samples),
             cfg.rollout.num_thoughts,
             cfg.rollout.num_answers,
+            num_processes,
+            prompts_per_process,
         )
     logger = RunLogger(
         run_dir,
@@ -357,7 +417,11 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
+            # every process draws the whole step (same stream, same skips), then keeps its own share
             samples, prompts = draw_prompts(policy, stream, cfg.train.prompts_per_step, instruction_of, counters)
+            first_prompt = rank * prompts_per_process
+            samples = samples[first_prompt : first_prompt + prompts_per_process]
+            prompts = prompts[first_prompt : first_prompt + prompts_per_process]
             settings = SamplingSettings(
                 temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p,
@@ -365,8 +429,9 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                 max_answer_tokens=cfg.rollout.max_answer_tokens,
                 thought_stop=cfg.rollout.thought_stop,
                 answer_stop=cfg.rollout.answer_stop,
-                # sampling randomness is a function of (seed, step): a resumed run samples the same trees
-                generator=torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step),
+                # sampling randomness is a function of (seed, step, prompt): a resumed run samples the same
+                # trees, and so does a run split over several processes
+                generators=prompt_generators(cfg.train.seed * 1_000_003 + step, first_prompt, len(samples)),
             )
             policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
             rollout = generate_rollout(
@@ -381,7 +446,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             scored = score_rollout(
                 rollout, weight_overrides=cfg.data.reward_weights, truncated_thoughts=cfg.rollout.truncated_thoughts
             )
-            counters.update(scored.counters)
+            counters.update(sum_over_processes(accelerator, scored.counters))
             thought_adv, answer_adv = grpo_ma_advantages(
                 scored.rewards,
                 answer_baseline=cfg.algorithm.answer_baseline,
@@ -391,7 +456,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             )
             batch = build_train_batch(rollout, thought_adv, answer_adv)
             policy.model.train()
-            update = update_policy(policy, batch, prompts, cfg, accelerator, optimizer, ref_policy)
+            update = update_policy(policy, scorer, batch, prompts, cfg, accelerator, optimizer, ref_policy)
             scheduler.step()
             step += 1
 
@@ -411,6 +476,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                     **{f"count/{k}": v for k, v in counters.items()},
                 }
             )
+            metrics = mean_over_processes(accelerator, metrics)
             evaluate_now = bool(eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
             if evaluate_now and accelerator.is_main_process:
                 metrics.update(evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / f"step-{step:06d}"))
@@ -420,6 +486,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                 logger.log_rollouts(rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step))
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 save(step)
+                accelerator.wait_for_everyone()
     except BaseException:
         # Nothing lost on a crash or Ctrl-C: keep the steps done since the last checkpoint.
         last_saved = ckpt.latest_checkpoint(run_dir)
