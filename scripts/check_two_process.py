@@ -75,7 +75,7 @@ def max_abs_difference(a: dict, b: dict) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="training steps (>= 2)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--keep", help="keep the runs in this folder (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -89,13 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         overrides = run_overrides(model_dir, args.steps)
         launch(work / "one-process", overrides, 1)
         launch(work / "two-processes", overrides, 2)
+        # resuming with the same number of processes: stop one step early, then --resume to the end
+        launch(work / "two-processes-resumed", run_overrides(model_dir, args.steps - 1), 2)
+        launch(work / "two-processes-resumed", overrides, 2, resume=True)
         one, two = final_weights(work / "one-process"), final_weights(work / "two-processes")
+        resumed = final_weights(work / "two-processes-resumed")
         start = load_file(Path(model_dir) / "model.safetensors")
         difference, moved = max_abs_difference(one, two), max_abs_difference(one, start)
+        resume_difference = max_abs_difference(two, resumed)
     print(f"steps: {args.steps}, global batch: 4 prompts x 2 thoughts x 2 answers, seed 0")
     print(f"largest weight change from the start (one process): {moved:.3e}")
     print(f"largest weight difference, one vs two processes:    {difference:.3e}  (tolerance {args.tolerance:g})")
-    ok = difference <= args.tolerance and moved > 10 * args.tolerance  # and training did move the weights
+    print(f"two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
+    ok = max(difference, resume_difference) <= args.tolerance and moved > 10 * args.tolerance  # weights moved
     print("equivalent" if ok else "NOT equivalent")
     return 0 if ok else 1
 
