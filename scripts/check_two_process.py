@@ -8,8 +8,8 @@ prints the largest difference between the two runs' final weights, next to how f
 
 Exit status 0 when the difference is at most --tolerance (1e-5), else 1. The run uses a reward every
 untrained sample varies on (answer length), so the weights do move and the comparison means something.
-On this machine kind ``accelerate launch --cpu`` would go through mpirun, which is not installed; with
-no GPU, ``--multi_gpu`` starts the processes through torchrun and the trainer runs them on the CPU (gloo).
+The launch uses ``configs/accelerate/cpu-2proc.yaml`` (its header says why it names MULTI_GPU: in
+accelerate 1.16 a MULTI_CPU launch goes through mpirun; with no GPU the torchrun workers run on the CPU, gloo).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def launch(out_dir: Path, overrides: list[str], processes: int, *, resume: bool 
         command = [python, "-m", "vlm_grpo_ma.train"]
     else:
         command = [
-            python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "vlm_grpo_ma.train",
+            python, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/cpu-2proc.yaml"),
+            "--num_processes", str(processes), "-m", "vlm_grpo_ma.train",
         ]
     command += ["--output-dir", str(out_dir), *overrides] + (["--resume"] if resume else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}

@@ -11,6 +11,8 @@ from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
 from vlm_grpo_ma.config import load_config
 
+LENGTH_TASK = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")
+
 
 def _cfg(model_dir, out_dir, *extra):
     return load_config(
@@ -74,7 +76,9 @@ def test_out_of_tree_task_trains_and_moves_the_weights(untrained_tiny_dir, tmp_p
 
 def test_crash_keeps_progress_and_resume_is_exact(untrained_tiny_dir, tmp_path, monkeypatch):
     straight_dir, crashed_dir = tmp_path / "straight", tmp_path / "crashed"
-    train_module.train(_cfg(untrained_tiny_dir, straight_dir, "train.checkpoint_every=100"))
+    # a reward the untrained model's samples vary on, so every step moves the weights
+    task = ("data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]")
+    train_module.train(_cfg(untrained_tiny_dir, straight_dir, "train.checkpoint_every=100", *task))
 
     real_update = train_module.update_policy
     calls = {"n": 0}
@@ -87,14 +91,16 @@ def test_crash_keeps_progress_and_resume_is_exact(untrained_tiny_dir, tmp_path, 
 
     monkeypatch.setattr(train_module, "update_policy", failing_update)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train_module.train(_cfg(untrained_tiny_dir, crashed_dir, "train.checkpoint_every=100"))
+        train_module.train(_cfg(untrained_tiny_dir, crashed_dir, "train.checkpoint_every=100", *task))
     assert [p.name for p in list_checkpoints(crashed_dir)] == ["step-000002"]  # saved on the way down
 
     monkeypatch.setattr(train_module, "update_policy", real_update)
-    train_module.train(_cfg(untrained_tiny_dir, crashed_dir, "train.checkpoint_every=100"), resume=True)
+    train_module.train(_cfg(untrained_tiny_dir, crashed_dir, "train.checkpoint_every=100", *task), resume=True)
     a, b = _weights(latest_checkpoint(straight_dir)), _weights(latest_checkpoint(crashed_dir))
     assert latest_checkpoint(crashed_dir).name == "step-000004"
     assert all(torch.equal(a[k], b[k]) for k in a)
+    start = load_file(untrained_tiny_dir / "model.safetensors")
+    assert not all(torch.equal(a[k], start[k]) for k in a)  # the runs did train
     straight = [json.loads(x) for x in (straight_dir / "metrics.jsonl").read_text().splitlines()]
     resumed = [json.loads(x) for x in (crashed_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward/mean"] for r in straight] == [r["reward/mean"] for r in resumed]
@@ -176,3 +182,86 @@ def test_evaluation_data_errors_name_the_task(untrained_tiny_dir, tmp_path):
     cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.eval_every=2", "data.eval_split=validation")
     with pytest.raises(Exception, match="evaluation data of task grounding .*unknown grounding split 'validation'"):
         train_module.train(cfg)
+
+
+def test_full_fine_tuning_with_a_frozen_vision_tower(untrained_tiny_dir, tmp_path):
+    cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "data.task=answer_length",
+               f"data.task_modules=[{LENGTH_TASK}]", "model.freeze_vision=true")
+    train_module.train(cfg)
+    start, after = load_file(untrained_tiny_dir / "model.safetensors"), _weights(latest_checkpoint(tmp_path / "run"))
+    vision = [k for k in start if ".visual." in k or k.startswith("visual.")]
+    language = [k for k in start if k not in vision]
+    assert vision and all(torch.equal(start[k], after[k]) for k in vision)
+    assert sum(not torch.equal(start[k], after[k]) for k in language) > len(language) // 2
+
+
+def test_lora_trains_adapters_only_resumes_exactly_and_uses_the_adapter_free_model_as_reference(untrained_tiny_dir, tmp_path, monkeypatch):
+    from vlm_grpo_ma import evaluate as ev
+    from vlm_grpo_ma.lora import merge_adapter
+    from vlm_grpo_ma.policy import load_policy
+
+    lora_args = ("data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]", "model.lora_rank=4",
+                 "algorithm.kl_coef=0.05", "train.learning_rate=1e-2", "train.checkpoint_every=100")
+    straight_dir, crashed_dir = tmp_path / "straight", tmp_path / "crashed"
+    train_module.train(_cfg(untrained_tiny_dir, straight_dir, *lora_args))
+    folder = latest_checkpoint(straight_dir) / "model"
+    assert (folder / "adapter_config.json").is_file() and not (folder / "model.safetensors").exists()
+    records = [json.loads(line) for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["train/kl"] > 0  # the adapters moved the policy away from the base model
+
+    # the merged model is a plain model whose base weights are untouched where LoRA adds nothing (the vision tower)
+    merged = load_policy(str(merge_adapter(folder, tmp_path / "merged")))
+    start = load_file(untrained_tiny_dir / "model.safetensors")
+    visual = [n for n, _ in merged.model.named_parameters() if ".visual." in n]
+    state = dict(merged.model.named_parameters())
+    assert visual and all(torch.equal(state[n].detach(), start[n]) for n in visual if n in start)
+
+    # crash in step 3, resume: the same adapter weights as the straight run
+    real_update = train_module.update_policy
+    calls = {"n": 0}
+
+    def failing_update(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash in step 3")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "update_policy", failing_update)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_module.train(_cfg(untrained_tiny_dir, crashed_dir, *lora_args))
+    monkeypatch.setattr(train_module, "update_policy", real_update)
+    train_module.train(_cfg(untrained_tiny_dir, crashed_dir, *lora_args), resume=True)
+    a = load_file(latest_checkpoint(straight_dir) / "model" / "adapter_model.safetensors")
+    b = load_file(latest_checkpoint(crashed_dir) / "model" / "adapter_model.safetensors")
+    assert a and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # B starts at 0: it was trained
+
+    # a LoRA checkpoint is a model for evaluation
+    assert ev.main(["--models", str(straight_dir), "--limit", "2", "--max-thought-tokens", "4", "--max-answer-tokens", "4",
+                    "--draw", "0", "--output-dir", str(tmp_path / "eval"), "--no-progress"]) == 0
+
+
+def test_resuming_a_lora_checkpoint_without_lora_is_refused(untrained_tiny_dir, tmp_path):
+    run = tmp_path / "run"
+    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=1", "model.lora_rank=2"))
+    with pytest.raises(Exception, match="holds a LoRA adapter but model.lora_rank=0"):
+        train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=2"), resume=True)
+
+
+def test_a_crash_after_the_weights_moved_does_not_checkpoint_a_half_step(untrained_tiny_dir, tmp_path, monkeypatch):
+    real_update = train_module.update_policy
+    calls = {"n": 0}
+
+    def update_then_fail(*args, **kwargs):
+        calls["n"] += 1
+        metrics = real_update(*args, **kwargs)
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash after the optimiser step of step 3")
+        return metrics
+
+    monkeypatch.setattr(train_module, "update_policy", update_then_fail)
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train_module.train(_cfg(untrained_tiny_dir, run, "train.checkpoint_every=2", "data.task=answer_length",
+                                f"data.task_modules=[{LENGTH_TASK}]"))
+    assert [p.name for p in list_checkpoints(run)] == ["step-000002"]  # not a "step 2" holding step 3's weights

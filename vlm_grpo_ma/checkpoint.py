@@ -1,7 +1,8 @@
 """Atomic checkpoints and exact resume.
 
 A checkpoint is a folder ``checkpoints/step-NNNNNN`` holding the model as a loadable Hugging Face folder
-(``model/``: weights + processor, so a checkpoint is also a model path for evaluation) and ``state.pt``
+(``model/``: weights, or a LoRA adapter naming its base model, + processor, so a checkpoint is also a
+model path for evaluation) and ``state.pt``
 (optimizer, scheduler, RNG states, data position, step, metric history). It is written to a temporary
 folder and renamed into place, so a crash mid-write never leaves a half checkpoint that resume would pick.
 """
@@ -50,15 +51,15 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, *, model, processor, training_state: dict, keep: int) -> Path:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
+def save_checkpoint(run_dir: Path, step: int, *, write_model, training_state: dict, keep: int) -> Path:
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep``. ``write_model(folder)`` writes
+    a folder ``load_policy`` loads (full weights, or a LoRA adapter naming its base, plus the processor)."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
-    processor.save_pretrained(tmp / "model")
+    write_model(tmp / "model")
     torch.save({**training_state, "step": step, "rng": rng_state()}, tmp / "state.pt")
     if final.exists():
         shutil.rmtree(final)

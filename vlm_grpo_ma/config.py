@@ -274,6 +274,8 @@ def _apply(section_obj: Any, section_name: str, values: dict[str, Any]) -> None:
     for key, value in values.items():
         if key not in names:
             raise ConfigError(f"unknown config key {section_name}.{key}; valid keys: {', '.join(names)}")
+        if isinstance(value, bool) and "no" in CHOICES.get(f"{section_name}.{key}", ()):
+            value = "yes" if value else "no"  # YAML 1.1 reads a bare `no` (e.g. mixed_precision: no) as false
         setattr(section_obj, key, _check_type(f"{section_name}.{key}", value, hints[key]))
 
 

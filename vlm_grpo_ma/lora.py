@@ -129,7 +129,9 @@ def apply_lora(
         raise ValueError("the model already carries LoRA adapters (loaded from an adapter checkpoint?)")
     prefix = language_model_path(model)
     linear_names = [
-        name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and name.startswith(prefix + ".")
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.startswith(prefix + ".")
     ]
     missing = [s for s in target_modules if not any(n.endswith("." + s) for n in linear_names)]
     if missing:
@@ -222,10 +224,18 @@ def merge_adapter(adapter_folder: str | Path, out_folder: str | Path, *, dtype: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vlm_grpo_ma.lora", description="LoRA adapter tools.")
     commands = parser.add_subparsers(dest="command", required=True)
-    merge = commands.add_parser("merge", help="fold an adapter into its base model; write a plain model folder")
-    merge.add_argument("adapter_dir", type=Path, help="a folder with adapter_config.json (e.g. a checkpoint's model/)")
-    merge.add_argument("out_dir", type=Path, help="where to write the merged model (must not exist or be empty)")
-    merge.add_argument("--dtype", default=None, help="weights dtype of the output (default: the base model's)")
+    merge = commands.add_parser(
+        "merge", help="fold an adapter into its base model; write a plain model folder"
+    )
+    merge.add_argument(
+        "adapter_dir", type=Path, help="a folder with adapter_config.json (e.g. a checkpoint's model/)"
+    )
+    merge.add_argument(
+        "out_dir", type=Path, help="where to write the merged model (must not exist or be empty)"
+    )
+    merge.add_argument(
+        "--dtype", default=None, help="weights dtype of the output (default: the base model's)"
+    )
     args = parser.parse_args(argv)
 
     if not args.adapter_dir.is_dir():

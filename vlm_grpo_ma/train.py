@@ -14,11 +14,13 @@ import os
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vlm_grpo_ma import checkpoint as ckpt
+from vlm_grpo_ma import lora
 from vlm_grpo_ma.advantages import grpo_ma_advantages
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
@@ -81,6 +83,14 @@ def draw_prompts(
     return samples, prompts
 
 
+@dataclass
+class UpdateGuard:
+    """Set when an optimiser step of the current training step has run (until the step is complete): a crash
+    then must not checkpoint weights that belong to no step."""
+
+    weights_changed: bool = False
+
+
 def update_policy(
     policy: Policy,
     scorer: torch.nn.Module,
@@ -89,7 +99,8 @@ def update_policy(
     cfg: Config,
     accelerator,
     optimizer,
-    ref_policy,
+    reference,
+    guard: UpdateGuard | None = None,
 ) -> dict[str, float]:
     """One optimiser step over micro-batches; token-level mean over the whole step (see loss.policy_loss).
 
@@ -113,12 +124,7 @@ def update_policy(
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
             old = logprobs.detach() if old_logprobs is None else old_logprobs[start : start + micro.num_rows, : logprobs.shape[1]]
-            ref = None
-            if ref_policy is not None:
-                with torch.no_grad():
-                    ref = sequence_logprobs(
-                        ref_policy, prompts, micro.row_prompt, micro.completion_ids, temperature=cfg.rollout.temperature
-                    )
+            ref = reference(prompts, micro.row_prompt, micro.completion_ids) if reference is not None else None
             weights = micro.token_weights.to(device)
             loss, micro_stats = policy_loss(
                 logprobs,
@@ -137,7 +143,9 @@ def update_policy(
                 stats[key] += float(value)
             mismatch = ((logprobs.detach().cpu() - micro.sampling_logprobs).abs() * (micro.token_weights > 0)).max()
             stats["logprob_mismatch_max"] = max(stats["logprob_mismatch_max"], float(mismatch))
-        grad_norms.append(float(accelerator.clip_grad_norm_(policy.model.parameters(), cfg.train.max_grad_norm)))
+        grad_norms.append(float(accelerator.clip_grad_norm_(lora.trainable_parameters(policy.model), cfg.train.max_grad_norm)))
+        if guard is not None:
+            guard.weights_changed = True
         optimizer.step()
     weight_sum = max(stats["weight_sum"], 1e-12)
     return {
@@ -242,6 +250,50 @@ def mean_over_processes(accelerator, metrics: dict[str, float]) -> dict[str, flo
     return merged
 
 
+def configure_trainable(policy: Policy, cfg: Config) -> None:
+    """LoRA adapters (unless the loaded checkpoint already has them) and the frozen vision tower."""
+    if cfg.model.lora_rank > 0 and policy.adapter is None:
+        name = cfg.model.name_or_path
+        base = name if name == "tiny" or not Path(name).exists() else str(Path(name).resolve())
+        policy.adapter = lora.apply_lora(
+            policy.model,
+            rank=cfg.model.lora_rank,
+            alpha=cfg.model.lora_alpha,
+            dropout=cfg.model.lora_dropout,
+            target_modules=cfg.model.lora_target_modules,
+            base_model_name_or_path=base,
+        )
+    elif cfg.model.lora_rank == 0 and policy.adapter is not None:
+        raise ConfigError("the checkpoint holds a LoRA adapter but model.lora_rank=0; resume with its LoRA settings")
+    if cfg.model.freeze_vision:
+        lora.freeze_vision(policy.model)
+    log.info("trainable: %s", lora.describe_parameters(policy.model))
+
+
+def make_reference(policy: Policy, cfg: Config, device):
+    """``reference(prompts, row_prompt, completions)`` -> log-probs of the frozen reference policy (KL term),
+    or None without KL. With LoRA the reference is the model with its adapters switched off (no second
+    copy in memory); otherwise a frozen copy of ``model.name_or_path``."""
+    if cfg.algorithm.kl_coef == 0:
+        return None
+    temperature = cfg.rollout.temperature
+    if policy.adapter is not None:
+
+        def reference(prompts, row_prompt, completions):
+            with torch.no_grad(), lora.adapters_disabled(policy):
+                return sequence_logprobs(policy, prompts, row_prompt, completions, temperature=temperature)
+
+        return reference
+    frozen = load_policy(cfg.model.name_or_path, dtype=cfg.model.dtype, device=device)
+    frozen.model.eval().requires_grad_(False)
+
+    def reference(prompts, row_prompt, completions):
+        with torch.no_grad():
+            return sequence_logprobs(frozen, prompts, row_prompt, completions, temperature=temperature)
+
+    return reference
+
+
 def load_prompt_stream(cfg: Config) -> tuple[dict[str, Task], PromptStream | TaskMixture]:
     """The run's tasks and their seeded prompt stream (a TaskMixture when data.tasks mixes several).
     Raises ConfigError naming the task, split and source when data cannot be loaded."""
@@ -310,6 +362,13 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
         # a step may leave parts unused on one process (no image prompts there: no vision tower)
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
     )
+    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        # Sampling and scoring call the model's submodules directly; sharded parameters would need gathering
+        # there first, which is not built (nor checkable without GPUs). Refuse rather than fail mid-step.
+        raise ConfigError(
+            f"accelerate distributed_type {accelerator.distributed_type.value} is not supported yet; "
+            "use data parallelism (configs/accelerate/ddp.yaml) with LoRA or gradient checkpointing to fit memory"
+        )
     num_processes, rank = accelerator.num_processes, accelerator.process_index
     if cfg.train.prompts_per_step % num_processes:
         raise ConfigError(
@@ -350,12 +409,10 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     policy.model.config.use_cache = True
     if cfg.model.gradient_checkpointing:
         policy.model.gradient_checkpointing_enable()
-    ref_policy = None
-    if cfg.algorithm.kl_coef > 0:
-        ref_policy = load_policy(cfg.model.name_or_path, dtype=cfg.model.dtype, device=accelerator.device)
-        ref_policy.model.eval().requires_grad_(False)
+    configure_trainable(policy, cfg)
+    reference = make_reference(policy, cfg, accelerator.device)
     optimizer = torch.optim.AdamW(
-        policy.model.parameters(),
+        lora.trainable_parameters(policy.model),
         lr=cfg.train.learning_rate,
         betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
         weight_decay=cfg.train.weight_decay,
@@ -398,22 +455,26 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
 
     def save(step: int) -> None:
         if accelerator.is_main_process:
+            def write_model(folder: Path) -> None:
+                lora.save_model(policy, folder)
+                policy.processor.save_pretrained(folder)
+
             ckpt.save_checkpoint(
                 run_dir,
                 step,
-                model=accelerator.unwrap_model(policy.model),
-                processor=policy.processor,
+                write_model=write_model,
                 training_state={
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
-                    "data": stream.state_dict(),
-                    "counters": dict(counters),
+                    **completed,  # data position and counters as they were when step `step` ended
                 },
                 keep=cfg.train.keep_checkpoints,
             )
 
     # --- the loop -----------------------------------------------------------------------------------------
     step = start_step
+    completed = {"data": stream.state_dict(), "counters": dict(counters)}
+    guard = UpdateGuard()
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
@@ -434,14 +495,15 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                 generators=prompt_generators(cfg.train.seed * 1_000_003 + step, first_prompt, len(samples)),
             )
             policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
-            rollout = generate_rollout(
-                policy,
-                samples,
-                prompts,
-                num_thoughts=cfg.rollout.num_thoughts,
-                num_answers=cfg.rollout.num_answers,
-                settings=settings,
-            )
+            with accelerator.autocast():  # bf16 compute when train.mixed_precision=bf16 (weights may be fp32)
+                rollout = generate_rollout(
+                    policy,
+                    samples,
+                    prompts,
+                    num_thoughts=cfg.rollout.num_thoughts,
+                    num_answers=cfg.rollout.num_answers,
+                    settings=settings,
+                )
             rollout_seconds = time.perf_counter() - started
             scored = score_rollout(
                 rollout, weight_overrides=cfg.data.reward_weights, truncated_thoughts=cfg.rollout.truncated_thoughts
@@ -456,9 +518,11 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             )
             batch = build_train_batch(rollout, thought_adv, answer_adv)
             policy.model.train()
-            update = update_policy(policy, scorer, batch, prompts, cfg, accelerator, optimizer, ref_policy)
+            update = update_policy(policy, scorer, batch, prompts, cfg, accelerator, optimizer, reference, guard)
             scheduler.step()
             step += 1
+            guard.weights_changed = False
+            completed = {"data": stream.state_dict(), "counters": dict(counters)}
 
             seconds = time.perf_counter() - started
             metrics = rollout_metrics(rollout, scored, thought_adv, tasks)
@@ -472,6 +536,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                     "time/trained_tokens_per_second": trained_tokens / (seconds - rollout_seconds),
                     "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
                     "train/learning_rate": scheduler.get_last_lr()[0],
+                    **({"time/peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {}),
                     "data/epoch": stream.epoch,
                     **{f"count/{k}": v for k, v in counters.items()},
                 }
@@ -479,7 +544,8 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             metrics = mean_over_processes(accelerator, metrics)
             evaluate_now = bool(eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
             if evaluate_now and accelerator.is_main_process:
-                metrics.update(evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / f"step-{step:06d}"))
+                with accelerator.autocast():
+                    metrics.update(evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / f"step-{step:06d}"))
             if accelerator.is_main_process:
                 if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluate_now:
                     logger.log_step(step, metrics)
@@ -490,8 +556,10 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     except BaseException:
         # Nothing lost on a crash or Ctrl-C: keep the steps done since the last checkpoint.
         last_saved = ckpt.latest_checkpoint(run_dir)
-        if step > start_step and (last_saved is None or not last_saved.name.endswith(f"{step:06d}")):
-            log.error("interrupted at step %d: saving a checkpoint before exiting", step)
+        if guard.weights_changed:  # an optimiser step of the unfinished step ran: the weights match no step
+            log.error("interrupted while updating step %d: keeping the last checkpoint (%s)", step + 1, last_saved)
+        elif step > start_step and (last_saved is None or not last_saved.name.endswith(f"{step:06d}")):
+            log.error("interrupted after step %d: saving a checkpoint before exiting", step)
             save(step)
         raise
     finally:

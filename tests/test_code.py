@@ -1,0 +1,709 @@
+"""The code task: program extraction, reward tables, loaders, the embedded data, and the sandbox against
+hostile programs (each must be contained, score 0 with its reason counted, and leave nothing behind)."""
+
+import gzip
+import importlib.util
+import json
+import os
+import socket
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tasks import _sandbox, code
+from tasks._sandbox import Isolation, Limits, Step, run_tests
+from vlm_grpo_ma.registry import Completion, Sample, get_task
+
+REPO = Path(__file__).resolve().parents[1]
+EXACT = 1e-9
+# Small limits keep the hostile cases quick: 2 s of wall clock, 1 s of CPU, 256 MiB of address space.
+HOSTILE = Limits(wall_s=2.0, cpu_s=1, memory_mb=256, output_bytes=64 << 10, file_bytes=1 << 20)
+FULL = _sandbox.default_isolation()
+HOOK_ONLY = Isolation(unprivileged_uid=False, namespaces=False, audit_hook=True)
+KERNEL_ONLY = Isolation(unprivileged_uid=FULL.unprivileged_uid, namespaces=FULL.namespaces, audit_hook=False)
+needs_uid = pytest.mark.skipif(not FULL.unprivileged_uid, reason="the uid layer needs root")
+needs_namespaces = pytest.mark.skipif(not FULL.namespaces, reason="namespaces are not permitted here")
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("make_code", REPO / "data" / "make_code.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+make_code = _load_generator()
+
+
+@pytest.fixture(autouse=True)
+def small_limits(monkeypatch):
+    monkeypatch.setattr(code, "LIMITS", HOSTILE)
+
+
+def _completion(text: str) -> Completion:
+    cut = text.index("</think>") + len("</think>") if "</think>" in text else len(text)
+    return Completion(thought=text[:cut], answer=text[cut:])
+
+
+def _answer(program: str, think: str = "<think>plan</think>") -> str:
+    return f"{think}<answer>\n```python\n{program}\n```\n</answer>"
+
+
+def _mbpp_sample(tests, setup="") -> Sample:
+    return Sample(
+        task="code",
+        id="m1",
+        question="q",
+        images=(),
+        answer=code.CodeTests(steps=code.mbpp_steps(tests, setup)),
+    )
+
+
+ADD_TESTS = [
+    "assert add(1, 2) == 3",
+    "assert add(-1, 1) == 0",
+    "assert add(2, 2) == 4",
+    "assert add(0, 5) == 5",
+]
+ADD = _mbpp_sample(ADD_TESTS)
+
+HE_PROMPT = 'from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    """Sum of xs."""\n'
+HE_TEST = textwrap.dedent(
+    """
+    METADATA = {'author': 'test'}
+
+
+    def check(candidate):
+        assert candidate([1, 2]) == 3
+        assert candidate([]) == 0
+        xs = list(range(10))
+        assert candidate(xs) == 45
+        assert True, "not a test"
+    """
+)
+HUMANEVAL = code._humaneval_sample(
+    {"task_id": "X/0", "prompt": HE_PROMPT, "test": HE_TEST, "entry_point": "total"}, "inline"
+)
+
+
+def _parts(pass_rate=0.0, all_passed=0.0, format_ok=1.0, failure=None):
+    parts = dict.fromkeys(code.METRICS, 0.0)
+    parts.update(pass_rate=pass_rate, all_passed=all_passed, format=format_ok)
+    if failure:
+        parts[failure] = 1.0
+    parts["reward"] = 1.0 * pass_rate + 0.2 * format_ok
+    return parts
+
+
+def _assert_parts(parts, expected):
+    assert set(parts) == set(expected)
+    for name, value in expected.items():
+        assert parts[name] == pytest.approx(value, abs=EXACT, rel=0), (name, parts)
+
+
+# ---------------------------------------------------------------------------------------------- extraction
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<think>t</think><answer>def f():\n    return 1</answer>", "def f():\n    return 1"),
+        ("<answer>```python\nx = 1\n```</answer>", "x = 1"),
+        ("<answer>```py\nx = 1\n```</answer>", "x = 1"),
+        ("<answer>```\nx = 1\n```</answer>", "x = 1"),
+        ("<answer>Here it is:\n```python\nx = 1\n```\nand more ```python\ny = 2\n```</answer>", "x = 1"),
+        ("<answer>```python\nx = 1\n</answer>", "x = 1"),  # unclosed fence
+        ("<answer>\n\n    return x\n\n</answer>", "    return x"),  # a body keeps its indentation
+        ("<answer>   </answer>", None),
+        ("<answer>```python\n\n```</answer>", None),
+        ("<think>t</think> def f(): pass", None),  # no answer tag
+        ("<answer>x = 1</answer><answer>x = 2</answer>", None),  # two answers
+        ("<answer>x = 1", None),  # cut off
+        ("", None),
+    ],
+)
+def test_extract_program(text, expected):
+    assert code.extract_program(text) == expected
+
+
+def test_humaneval_program_accepts_full_function_or_body():
+    body = "    return sum(xs)"
+    full = "def total(xs):\n    return sum(xs)"
+    assert code.humaneval_program(HE_PROMPT, body, "total") == HE_PROMPT + "    return sum(xs)\n"
+    assert code.humaneval_program(HE_PROMPT, "return sum(xs)", "total") == HE_PROMPT + "    return sum(xs)\n"
+    assert code.humaneval_program(HE_PROMPT, full, "total").endswith(
+        "\n\n\ndef total(xs):\n    return sum(xs)\n"
+    )
+    assert code.humaneval_program(HE_PROMPT, full, "total").startswith(HE_PROMPT.rstrip("\n"))
+
+
+def test_humaneval_steps_split_check_into_asserts():
+    steps = HUMANEVAL.answer.steps
+    assert [s.counted for s in steps] == [False, True, True, False, True, False]
+    assert steps[0].source.startswith("METADATA = ")
+    assert steps[1].source == "assert candidate([1, 2]) == 3"
+    assert steps[3].source == "xs = list(range(10))"
+    assert HUMANEVAL.answer.num_tests == 3
+    # no check(candidate): the whole module plus the call is one test
+    assert code.humaneval_steps("def check(f):\n    assert f(1)\n") == (
+        Step("def check(f):\n    assert f(1)\n\n\ncheck(candidate)\n"),
+    )
+    assert len(code.humaneval_steps("def check(candidate) syntax error")) == 1
+
+
+# ---------------------------------------------------------------------------------------------- reward tables
+
+T = "<think>add the numbers</think>"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (_answer("def add(a, b):\n    return a + b"), _parts(1.0, 1.0)),
+        (f"{T}<answer>def add(a, b):\n    return a + b</answer>", _parts(1.0, 1.0)),  # no fence
+        (f"{T}\n<answer>\n```\ndef add(a, b):\n    return a + b\n```\n</answer>\n", _parts(1.0, 1.0)),
+        (_answer("def add(a, b):\n    return a * b"), _parts(0.25, 0.0)),  # wrong: only 2 * 2 == 2 + 2
+        (_answer("def add(a, b):\n    return a - b"), _parts(0.0, 0.0)),
+        (_answer("def add(a, b)\n    return a + b"), _parts(format_ok=1.0, failure="syntax_error")),
+        (_answer("def add(a, b):\n    return a + b\nraise ValueError('boom')"), _parts(failure="crash")),
+        (_answer("def sub(a, b):\n    return a - b"), _parts(0.0, 0.0)),  # wrong name: NameError per test
+        # format 0, still graded: text outside the tags, or no think part
+        (f"Sure! {_answer('def add(a, b):' + chr(10) + '    return a + b')}", _parts(1.0, 1.0, 0.0)),
+        ("<answer>def add(a, b):\n    return a + b</answer>", _parts(1.0, 1.0, 0.0)),
+        # malformed: no program at all
+        (f"{T}<answer></answer>", _parts(format_ok=0.0)),
+        (f"{T}<answer>def add(a, b): return a + b", _parts(format_ok=0.0)),
+        (f"{T}<answer>1</answer><answer>2</answer>", _parts(format_ok=0.0)),
+        ("", _parts(format_ok=0.0)),
+    ],
+)
+def test_reward_table_mbpp(text, expected):
+    _assert_parts(code.reward(_completion(text), ADD), expected)
+
+
+@pytest.mark.parametrize(
+    "program, expected",
+    [
+        ("    return sum(xs)", _parts(1.0, 1.0)),  # the body, appended to the prompt
+        ("return sum(xs)", _parts(1.0, 1.0)),  # an unindented body
+        ("def total(xs):\n    return sum(xs)", _parts(1.0, 1.0)),  # the whole function
+        (
+            "def total(xs: List[int]) -> int:\n    return sum(xs)",
+            _parts(1.0, 1.0),
+        ),  # uses the prompt's import
+        ("    return len(xs)", _parts(1 / 3, 0.0)),  # right only for []
+        ("    return sum(xs", _parts(failure="syntax_error")),
+    ],
+)
+def test_reward_table_humaneval(program, expected):
+    _assert_parts(code.reward(_completion(_answer(program)), HUMANEVAL), expected)
+
+
+def test_reward_on_a_real_humaneval_problem_body_and_full_function():
+    sample = {s.id: s for s in code.load("test")}["HumanEval/0"]
+    body = sample.meta["reference_answer"]
+    full = (
+        sample.answer.prompt.split("def has_close_elements")[0]
+        + "def has_close_elements(numbers, threshold):\n"
+        + body
+    )
+    for answer in (body, full):
+        parts = code.reward(_completion(f"<think>t</think><answer>{answer}</answer>"), sample)
+        assert parts["all_passed"] == 1.0 and parts["pass_rate"] == 1.0 and parts["format"] == 1.0
+
+
+def test_reward_never_raises_and_counts_sandbox_errors(monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("no temporary directory")
+
+    monkeypatch.setattr(code, "run_tests", broken)
+    parts = code.reward(_completion(_answer("def add(a, b):\n    return a + b")), ADD)
+    assert (
+        parts["sandbox_error"] == 1.0 and parts["pass_rate"] == 0.0 and parts["reward"] == pytest.approx(0.2)
+    )
+    bad_sample = Sample(task="code", id="bad", question="q", images=(), answer=None)
+    assert code.reward(_completion(_answer("x = 1")), bad_sample)["sandbox_error"] == 1.0
+
+
+def test_all_passed_mode_is_chosen_by_weights():
+    from vlm_grpo_ma.registry import weighted_reward
+    from vlm_grpo_ma.rewards import reward_weights_for
+
+    parts = code.reward(_completion(_answer("def add(a, b):\n    return a * b")), ADD)
+    dense = reward_weights_for(code.TASK, {})
+    strict = reward_weights_for(code.TASK, {"pass_rate": 0.0, "all_passed": 1.0})
+    assert weighted_reward(parts, dense) == pytest.approx(0.25 + 0.2)
+    assert weighted_reward(parts, strict) == pytest.approx(0.0 + 0.2)
+
+
+def test_task_is_registered():
+    task = get_task("code")
+    assert task is code.TASK and task.load is code.load and task.reward is code.reward
+    assert task.reward_weights == {"pass_rate": 1.0, "format": 0.2}
+    assert {"pass_rate", "all_passed", "format", "timeout", "memory", "blocked", "crash"} <= set(task.metrics)
+    assert "<think></think>" in task.instruction and "<answer></answer>" in task.instruction
+
+
+# ---------------------------------------------------------------------------------------------- reward hacks
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        # an object equal to everything
+        "class Any:\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return Any()",
+        # an int subclass that lies
+        "class I(int):\n    def __eq__(self, other):\n        return True\n\ndef add(a, b):\n    return I(0)",
+        # a plain container hiding a liar
+        "class Any:\n    __eq__ = lambda self, other: True\n\ndef add(a, b):\n    return [Any()][0:1][0]",
+    ],
+)
+def test_objects_that_equal_everything_fail(program):
+    assert code.reward(_completion(_answer(program)), ADD)["pass_rate"] == 0.0
+
+
+def test_patched_builtins_and_modules_do_not_reach_the_tests():
+    sample = _mbpp_sample(
+        ["import math\nassert math.isclose(half(3), 1.5)", "assert abs(half(4) - 2) < 1e-9"]
+    )
+    program = (
+        "import builtins, math\nbuiltins.abs = lambda x: 0\nmath.isclose = lambda *a, **k: True\n"
+        "def half(x):\n    return 0"
+    )
+    assert code.reward(_completion(_answer(program)), sample)["pass_rate"] == 0.0
+    assert code.reward(_completion(_answer("def half(x):\n    return x / 2")), sample)["pass_rate"] == 1.0
+
+
+def test_redefining_a_humaneval_helper_does_not_change_the_tests():
+    prompt = 'def encode(s: str):\n    return s[::-1]\n\n\ndef decode(s: str):\n    """Undo encode."""\n'
+    test = "def check(candidate):\n    assert candidate(encode('abc')) == 'abc'\n    assert candidate(encode('xy')) == 'xy'\n"
+    sample = code._humaneval_sample(
+        {"task_id": "H", "prompt": prompt, "test": test, "entry_point": "decode"}, "x"
+    )
+    cheat = "def encode(s):\n    return s\n\ndef decode(s):\n    return s"
+    assert code.reward(_completion(_answer(cheat)), sample)["pass_rate"] == 0.0
+    honest = "def decode(s):\n    return s[::-1]"
+    assert code.reward(_completion(_answer(honest)), sample)["all_passed"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "program, status",
+    [
+        ("import os\ndef add(a, b):\n    return a + b\nos._exit(0)", "crash"),  # leave before the tests
+        ("import sys\ndef add(a, b):\n    sys.exit(0)", "ok"),  # SystemExit in a test just fails it
+        ("print('pass 0\\npass 1\\npass 2\\npass 3\\ndone')\ndef add(a, b):\n    return -99", "ok"),
+        (
+            "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'\\nabc pass 0\\n')\n"
+            "    except OSError:\n        pass\ndef add(a, b):\n    return -99",
+            "ok",
+        ),  # fmt: skip
+        ("import sys\nsys.audit('vlm_grpo_ma.sandbox.report', 'pass 0')", "blocked"),
+        ("import sys\nf = sys._getframe(1)\ndef add(a, b):\n    return a + b", "blocked"),
+        ("def add(a, b):\n    import sys\n    sys._getframe(1)\n    return a + b", "blocked"),
+    ],
+)
+def test_forged_results_score_zero(program, status):
+    result = code.run_program(program, ADD.answer)
+    assert (result.status, result.passed) == (status, 0), result
+
+
+# ---------------------------------------------------------------------------------------------- hostile programs
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Live processes of ``uid`` (zombies are dead: this container's pid 1 may never reap them)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+                if os.stat(f"/proc/{name}").st_uid == uid and state not in ("Z", "X"):
+                    found.append(int(name))
+            except (OSError, IndexError):
+                pass
+    return found
+
+
+def _assert_nothing_left(result):
+    for layer in result.layers:
+        if layer.startswith("uid:"):
+            assert _processes_of(int(layer[4:])) == []
+
+
+def _hostile(program, isolation=FULL, limits=HOSTILE):
+    result = run_tests(program, [Step("assert True")], limits=limits, isolation=isolation)
+    _assert_nothing_left(result)
+    assert result.passed == 0 or result.status == "ok"
+    return result
+
+
+ISOLATIONS = [pytest.param(FULL, id="full"), pytest.param(HOOK_ONLY, id="hook_only")]
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_infinite_loop_times_out(isolation):
+    result = _hostile("while True:\n    pass", isolation)
+    assert (result.status, result.passed) == ("timeout", 0)
+    assert result.wall_s < HOSTILE.wall_s + 1.5
+    parts = code.reward(_completion(_answer("def add(a, b):\n    while True:\n        pass")), ADD)
+    assert parts["timeout"] == 1.0 and parts["pass_rate"] == 0.0
+
+
+def test_sleeping_program_hits_the_wall_clock_limit():
+    result = _hostile("import time\ntime.sleep(30)")
+    assert (result.status, result.detail) == ("timeout", "wall clock over 2 s")
+
+
+FORK_BOMB = "import os\nwhile True:\n    os.fork()"
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_fork_bomb_is_blocked(isolation):
+    result = _hostile(FORK_BOMB, isolation)
+    assert (result.status, result.detail) == ("blocked", "os.fork")
+    parts = code.reward(_completion(_answer(FORK_BOMB)), ADD)
+    assert parts["blocked"] == 1.0 and parts["reward"] == pytest.approx(0.2)
+
+
+@needs_uid
+def test_fork_bomb_without_the_hook_meets_the_process_limit():
+    result = _hostile(FORK_BOMB, KERNEL_ONLY)
+    assert result.status == "crash" and "BlockingIOError" in result.detail  # fork: EAGAIN at once
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_memory_bomb_is_stopped(isolation):
+    for program in ("x = bytearray(10 ** 10)", "xs = []\nwhile True:\n    xs.append(bytearray(10 ** 7))"):
+        result = _hostile(program, isolation)
+        assert (result.status, result.passed) == ("memory", 0), program
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_writing_outside_the_working_directory_is_blocked(tmp_path, isolation):
+    target = tmp_path / "escaped.txt"
+    for program in (
+        f"open({str(target)!r}, 'w').write('x')",
+        f"import os\nos.close(os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT))",
+        f"open('../../../../../../..{target}', 'w')",
+        f"import shutil\nopen('inside.txt', 'w').write('x')\nshutil.copy('inside.txt', {str(target)!r})",
+        f"import os\nos.mkdir({str(tmp_path / 'd')!r})",
+        f"import os\nos.symlink({str(tmp_path)!r}, 'link')\nopen('link/escaped.txt', 'w')",
+        f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+        "os.close(os.open('escaped.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd))",
+    ):
+        result = _hostile(program, isolation)
+        assert result.status == "blocked", (program, result)
+        assert not target.exists() and not (tmp_path / "d").exists()
+
+
+@needs_namespaces
+@needs_uid
+def test_writing_to_world_writable_places_fails_without_the_hook(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    tmp_path.chmod(0o755)
+    program = (
+        "import os\nfor path in ['/tmp/vlm_sandbox_escape', '/dev/shm/vlm_sandbox_escape', "
+        f"{str(shared / 'escape')!r}]:\n"
+        "    try:\n        open(path, 'w').write('x')\n        print('WROTE', path)\n"
+        "    except OSError as error:\n        print('refused', path, error.strerror)\n"
+        "open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())"
+    )
+    result = _hostile(program, KERNEL_ONLY)
+    assert result.status == "ok" and "WROTE" not in result.output and "fine" in result.output, result
+    assert not (shared / "escape").exists() and not Path("/dev/shm/vlm_sandbox_escape").exists()
+
+
+def test_working_directory_is_private_and_removed():
+    result = _hostile("import os\nopen('f.txt', 'w').write('x' * 100)\nprint(os.getcwd())")
+    workdir = result.output.strip()
+    assert result.status == "ok" and workdir.startswith(os.path.realpath(os.environ.get("TMPDIR", "/tmp")))
+    assert not os.path.exists(workdir)
+
+
+def test_file_size_limit():
+    result = _hostile("open('big.bin', 'wb').write(b'x' * (4 << 20))")
+    assert result.status in ("output_limit", "crash"), result  # SIGXFSZ, or EFBIG raised
+    assert result.passed == 0
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS + [pytest.param(KERNEL_ONLY, id="kernel_only")])
+def test_parent_environment_does_not_leak(monkeypatch, isolation):
+    if not isolation.audit_hook and not isolation.unprivileged_uid:
+        pytest.skip("without the hook only the uid layer keeps /proc/<parent>/environ closed")
+    secret = "s3cret-" + os.urandom(8).hex()
+    monkeypatch.setenv("VLM_SANDBOX_TEST_SECRET", secret)
+    program = (
+        "import os\nprint(dict(os.environ))\n"
+        "try:\n    print(open(f'/proc/{os.getppid()}/environ').read())\n"
+        "except OSError as error:\n    print('refused', error)"
+    )
+    result = _hostile(program, isolation)
+    assert secret not in result.output and "VLM_SANDBOX_TEST_SECRET" not in result.output
+    assert "PATH" in result.output  # the scrubbed environment was printed
+    if isolation.audit_hook:
+        assert result.status == "blocked" and result.detail.startswith("open /proc/")
+
+
+OUTLIVER = """
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        print('daemon', os.getpid(), flush=True)
+        time.sleep(60)
+    os._exit(0)
+time.sleep(0.3)
+"""
+
+
+def test_a_child_that_tries_to_outlive_the_run_is_blocked():
+    result = _hostile(OUTLIVER)
+    assert (result.status, result.detail) == ("blocked", "os.fork") and "daemon" not in result.output
+
+
+@needs_uid
+def test_a_daemon_that_escaped_the_session_is_swept():
+    # With forks allowed (hook off, 4 extra processes) the double-forked, setsid daemon runs; the sweep of
+    # the sandbox uid must kill it.
+    limits = Limits(wall_s=2.0, cpu_s=1, memory_mb=256, processes=4)
+    result = _hostile(OUTLIVER, KERNEL_ONLY, limits)
+    assert "daemon" in result.output, result
+    pid = int(result.output.split()[1])
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().rsplit(") ", 1)[1][0] == "Z"  # dead; at most a zombie awaiting its reaper
+    except FileNotFoundError:
+        pass
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_gigabytes_of_output_are_cut_off(isolation):
+    for program in (
+        "while True:\n    print('x' * 65536)",
+        "import os\nwhile True:\n    os.write(1, b'y' * (1 << 20))",
+        "import sys\nfor _ in range(1 << 12):\n    sys.stderr.write('z' * (1 << 20))",  # 4 GiB
+    ):
+        result = _hostile(program, isolation)
+        assert (result.status, result.passed) == ("output_limit", 0), program
+        assert len(result.output) <= 4096 and result.wall_s < HOSTILE.wall_s
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS + [pytest.param(KERNEL_ONLY, id="kernel_only")])
+def test_no_network_connection_arrives(isolation):
+    if not isolation.audit_hook and not isolation.namespaces:
+        pytest.skip("no network namespace here")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.settimeout(0.3)
+        port = listener.getsockname()[1]
+        program = (
+            "import socket\ntry:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'leak')\n"
+            "    print('CONNECTED')\nexcept OSError as error:\n    print('refused', error)"
+        )
+        result = _hostile(program, isolation)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    assert "CONNECTED" not in result.output
+    assert result.status == ("blocked" if isolation.audit_hook else "ok")
+
+
+@pytest.mark.parametrize(
+    "program, detail",
+    [
+        ("import subprocess\nsubprocess.run(['true'])", "import _posixsubprocess"),
+        ("import os\nos.system('true')", "os.system"),
+        ("import os\nos.execv('/bin/true', ['true'])", "os.exec"),
+        ("import os\nos.kill(1, 0)", "os.kill"),
+        ("import ctypes", "import ctypes"),
+        ("import os\nos.chdir('/')", "os.chdir"),
+        ("import gc\ngc.get_objects()", "gc.get_objects"),
+        ("import sys\nsys.settrace(lambda *a: None)", "sys.settrace"),
+        ("open('/proc/self/mem', 'rb')", "open /proc/self/mem"),
+        (
+            "import sqlite3\nsqlite3.connect('/tmp/vlm_sandbox.db')",
+            "sqlite3.connect outside the working directory",
+        ),
+    ],
+)
+def test_blocked_actions(program, detail):
+    result = _hostile(program)
+    assert result.status == "blocked" and result.detail.startswith(detail), result
+
+
+def test_harmless_programs_run_normally():
+    program = (
+        "import collections, dataclasses, json, random, re, typing\n"
+        "from typing import NamedTuple, TypeVar\nT = TypeVar('T')\n"
+        "P = collections.namedtuple('P', 'x y')\n@dataclasses.dataclass\nclass D:\n    x: int = 1\n"
+        "open('scratch.txt', 'w').write(json.dumps([1, 2]))\nprint(open('scratch.txt').read(), D(), P(1, 2))\n"
+        "def add(a, b):\n    return a + b"
+    )
+    result = code.run_program(program, ADD.answer)
+    assert (result.status, result.passed, result.total) == ("ok", 4, 4), result
+    assert "[1, 2] D(x=1) P(x=1, y=2)" in result.output
+
+
+def test_sandbox_layers_on_this_machine():
+    result = run_tests("", [Step("assert True")])
+    assert result.all_passed and "rlimits" in result.layers and "audit_hook" in result.layers
+    if os.geteuid() == 0:
+        assert FULL == Isolation(unprivileged_uid=True, namespaces=True, audit_hook=True)
+        assert {"netns", "readonly_fs", "no_new_privs"} <= set(result.layers)
+        assert any(layer.startswith("uid:") for layer in result.layers)
+
+
+# ---------------------------------------------------------------------------------------------- loaders
+
+
+def test_load_humaneval_from_the_installed_package():
+    samples = code.load("test")
+    assert len(samples) == 164 and samples[0].id == "HumanEval/0" and samples[-1].id == "HumanEval/163"
+    for sample in samples:
+        assert sample.task == "code" and sample.images == ()
+        assert sample.answer.entry_point and sample.answer.prompt and sample.answer.num_tests >= 1
+        assert sample.question.startswith("Complete this Python function:\n```python\n")
+        assert sample.meta["format"] == "humaneval" and sample.meta["reference_answer"]
+    assert {s.id: s for s in samples}["HumanEval/0"].answer.num_tests == 7
+
+
+def _write_jsonl(path, rows, compress=False):
+    data = "".join(json.dumps(row) + "\n" for row in rows) + "\n"
+    if compress:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(data)
+    else:
+        path.write_text(data)
+
+
+def test_load_mbpp_and_sanitized_mbpp_rows(tmp_path):
+    rows = [
+        {"task_id": 11, "text": "Write a function to add.", "code": "def add(a, b):\n    return a + b",
+         "test_list": ADD_TESTS[:3], "test_setup_code": "import math", "challenge_test_list": []},
+        {"task_id": 12, "prompt": "Write a function to double.", "test_list": ["assert double(2) == 4"],
+         "test_imports": ["import math"]},
+    ]  # fmt: skip
+    path = tmp_path / "mbpp.jsonl"
+    _write_jsonl(path, rows)
+    first, second = code.load(source=str(path))
+    assert (first.id, second.id) == ("11", "12")
+    assert (
+        first.question == "Write a function to add.\nYour code should pass this test:\nassert add(1, 2) == 3"
+    )
+    assert first.answer.steps == (Step("import math", counted=False), *(Step(t) for t in ADD_TESTS[:3]))
+    assert first.meta == {"format": "mbpp", "reference_answer": rows[0]["code"]}
+    assert second.answer.steps[0] == Step("import math\n", counted=False) and second.meta == {
+        "format": "mbpp"
+    }
+    assert code.reward(_completion(_answer(rows[0]["code"])), first)["all_passed"] == 1.0
+
+
+def test_load_humaneval_format_gz(tmp_path):
+    row = {"task_id": "X/0", "prompt": HE_PROMPT, "test": HE_TEST, "entry_point": "total",
+           "canonical_solution": "    return sum(xs)\n"}  # fmt: skip
+    path = tmp_path / "he.jsonl.gz"
+    _write_jsonl(path, [row], compress=True)
+    (sample,) = code.load("anything", str(path))
+    assert sample.answer == HUMANEVAL.answer and sample.meta["reference_answer"] == "    return sum(xs)\n"
+    parts = code.reward(_completion(_answer(sample.meta["reference_answer"])), sample)
+    assert parts["all_passed"] == 1.0
+
+
+def test_load_rejects_bad_sources(tmp_path):
+    with pytest.raises(ValueError, match=r"'validation'.*train, test"):
+        code.load("validation")
+    with pytest.raises(ValueError, match=r"'\.csv'.*\.jsonl, \.jsonl\.gz"):
+        code.load(source=str(tmp_path / "x.csv"))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        code.load(source=str(tmp_path / "missing.jsonl"))
+    cases = {
+        "neither.jsonl": ([{"task_id": 1, "question": "q"}], r"neither.jsonl:1: neither a HumanEval row"),
+        "empty_tests.jsonl": ([{"task_id": 1, "text": "t", "test_list": []}], "non-empty list of assert"),
+        "no_text.jsonl": ([{"task_id": 1, "test_list": ["assert 1"]}], "missing text"),
+        "dupes.jsonl": ([{"task_id": 1, "text": "t", "test_list": ["assert 1"]}] * 2, "task_id '1' appears"),
+        "entry.jsonl": (
+            [{"task_id": 1, "prompt": "p", "test": "t", "entry_point": "not a name"}],
+            "entry_point",
+        ),
+    }
+    for name, (rows, message) in cases.items():
+        _write_jsonl(tmp_path / name, rows)
+        with pytest.raises(ValueError, match=message):
+            code.load(source=str(tmp_path / name))
+    (tmp_path / "garbage.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match="garbage.jsonl:1: not JSON"):
+        code.load(source=str(tmp_path / "garbage.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------------- embedded data
+
+
+def test_embedded_train_split():
+    samples = code.load("train")
+    assert len(samples) == 200 and len({s.id for s in samples}) == 200
+    for sample in samples:
+        assert sample.images == () and sample.answer.num_tests == 3 and sample.meta["reference_answer"]
+        assert sample.question.startswith("Write a function ")
+    functions = {s.question.split("(")[0].split()[-1] for s in samples}
+    assert len(functions) == len(make_code.FAMILIES)
+
+
+def test_embedded_train_split_matches_the_generator():
+    n, seed = make_code.SPLIT_SIZES_AND_SEEDS["train"]
+    rows = [json.loads(line) for line in (REPO / "data" / "code" / "train.jsonl").read_text().splitlines()]
+    assert rows == make_code.generate(n, seed)
+    assert make_code.generate(5, seed + 1) != rows[:5]
+
+
+def test_every_embedded_reference_solution_passes_its_tests():
+    samples = code.load("train")
+    # All 200 programs in one child, each in its own namespace (their function names repeat).
+    program = "\n".join(
+        f"ns_{i} = {{}}\nexec({s.meta['reference_answer']!r}, ns_{i})" for i, s in enumerate(samples)
+    )
+    steps = [
+        Step(f"exec({step.source!r}, ns_{i})", step.counted)
+        for i, s in enumerate(samples)
+        for step in s.answer.steps
+    ]
+    result = run_tests(program, steps, limits=Limits(wall_s=30.0, cpu_s=20))
+    assert (result.status, result.passed, result.total) == ("ok", 600, 600), result
+    # and the real reward path, on one sample of each family
+    seen = set()
+    for sample in samples:
+        family = sample.question.split("(")[0]
+        if family in seen:
+            continue
+        seen.add(family)
+        parts = code.reward(_completion(_answer(sample.meta["reference_answer"])), sample)
+        assert parts["all_passed"] == 1.0, sample.id
+
+
+# ---------------------------------------------------------------------------------------------- HumanEval
+
+
+@pytest.mark.slow
+def test_humaneval_canonical_solutions_pass_and_bare_prompts_fail():
+    spec = importlib.util.spec_from_file_location("check_humaneval", REPO / "scripts" / "check_humaneval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    figures = module.check(workers=2)
+    assert figures["canonical_all_passed"] == 164, figures["canonical_failures"]
+    assert figures["bare_all_passed"] == 0 and figures["failure_parts_seen"] == []
+    # a stub that returns None passes only asserts such as `candidate([]) == None`
+    assert figures["bare_mean_pass_rate"] < 0.05
+
+
+def test_prediction_is_the_program_the_reward_runs():
+    from tasks.code import prediction
+
+    fenced = Completion("<think>t</think>", "<answer>```python\ndef f():\n    return 1\n```</answer>")
+    assert prediction(fenced, None) == {"program": "def f():\n    return 1"}
+    assert prediction(Completion("<think>t</think>", "no answer"), None) is None

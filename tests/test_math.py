@@ -1,0 +1,682 @@
+"""The math task: reward tables (equivalent forms, precision, units, malformed and hostile output), the
+math-verify guard (time limit, threads), loaders for each public schema, the embedded data, the generator."""
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tasks import math as math_task
+from vlm_grpo_ma.registry import Completion, Sample, get_task
+
+EXACT = 1e-12
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "math"
+DATA_DIR = REPO / "data" / "math"
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("make_math", REPO / "data" / "make_math.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+make_math = _load_generator()
+
+
+def _sample(answer="5", precision=None, answer_type=None) -> Sample:
+    meta = {"source": "project", "precision": precision}
+    if answer_type is not None:
+        meta["answer_type"] = answer_type
+    return Sample(task="math", id="m0", question="q", images=(), answer=answer, meta=meta)
+
+
+def _completion(text: str) -> Completion:
+    # Split where the policy would: the thought runs up to and including "</think>".
+    cut = text.index("</think>") + len("</think>") if "</think>" in text else len(text)
+    return Completion(thought=text[:cut], answer=text[cut:])
+
+
+def _expected(correct: bool, format_ok: bool) -> dict:
+    return {
+        "accuracy": float(correct),
+        "format": float(format_ok),
+        "reward": 1.0 * float(correct) + 0.5 * float(format_ok),
+    }
+
+
+def _assert_parts(parts, expected):
+    assert set(parts) == set(expected)
+    for name, value in expected.items():
+        assert parts[name] == pytest.approx(value, abs=EXACT, rel=0), name
+
+
+T = "<think>three and two make five</think>"
+
+
+def _answer(text):
+    return f"{T}<answer>{text}</answer>"
+
+
+# ---------------------------------------------------------------------------------------------- reward tables
+
+# (id, model answer, ground truth, precision, correct)
+EQUIVALENCE_TABLE = [
+    # equivalent forms
+    ("integer", "5", "5", None, True),
+    ("trailing zeros", "5.00", "5", None, True),
+    ("explicit plus", "+5", "5", None, True),
+    ("unicode minus", "−3", "-3", None, True),
+    ("half as fraction", "1/2", "0.5", None, True),
+    ("half as latex", "\\frac{1}{2}", "0.5", None, True),
+    ("half as dfrac", "\\dfrac{1}{2}", "1/2", None, True),
+    ("half as frac12", "\\frac12", "\\frac{1}{2}", None, True),
+    ("decimal for fraction truth", "0.25", "1/4", None, True),
+    ("surd forms", "\\sqrt{884}", "2\\sqrt{221}", None, True),
+    ("pi over two", "\\pi/2", "\\frac{\\pi}{2}", None, True),
+    ("thousands separator", "1,000", "1000", None, True),
+    ("scientific notation", "1e3", "1000", None, True),
+    ("equation", "x = 5", "5", None, True),
+    ("latex equation", "x=\\frac{1}{2}", "0.5", None, True),
+    ("list", "[1, 2, 3]", "[1,2,3]", None, True),
+    ("set in another order", "3, 2, 1", "1, 2, 3", None, True),
+    # \boxed and other wrappers
+    ("boxed", "\\boxed{5}", "5", None, True),
+    ("boxed fraction in dollars", "$\\boxed{\\frac{1}{2}}$", "0.5", None, True),
+    ("inline math", "\\(5\\)", "5", None, True),
+    ("display math", "$$\\frac{3}{4}$$", "0.75", None, True),
+    ("final period", "5.", "5", None, True),
+    # units and symbols are dropped
+    ("unit word", "5 cm", "5", None, True),
+    ("unit words", "12 apples", "12", None, True),
+    ("squared unit", "5 cm^2", "5", None, True),
+    ("text unit", "5\\text{ cm}", "5", None, True),
+    ("mathrm unit", "5 \\mathrm{cm}^2", "5", None, True),
+    ("degrees latex", "45^\\circ", "45", None, True),
+    ("degree sign", "45°", "45", None, True),
+    ("dollars", "$5", "5", None, True),
+    ("escaped dollars", "\\$5", "5", None, True),
+    ("percent", "50%", "50", None, True),
+    # precision (MathVista's decimals): both sides rounded half-up
+    ("precision: more decimals", "1.4523", "1.45", 2, True),
+    ("precision: rounds up to truth", "1.449", "1.45", 2, True),
+    ("precision: half rounds up", "1.445", "1.45", 2, True),
+    ("precision: off by one unit", "1.444", "1.45", 2, False),
+    ("precision: rounds away", "1.455", "1.45", 2, False),
+    ("precision: exact fraction", "\\frac{29}{20}", "1.45", 2, True),
+    ("precision: truth needs rounding", "1.88", "1.875", 2, True),
+    ("precision: one decimal", "10.77", "10.8", 1, True),
+    ("precision: fraction vs rounded", "20/3", "6.67", 2, True),
+    ("no precision: rounded is wrong", "6.67", "20/3", None, False),
+    ("no precision: decimals differ", "3.14159", "3.14", None, False),
+    ("no precision: third not 0.3333", "0.3333", "1/3", None, False),
+    # wrong answers
+    ("wrong integer", "6", "5", None, False),
+    ("wrong fraction", "1/3", "0.5", None, False),
+    ("wrong surd", "3", "2\\sqrt{221}", None, False),
+    ("wrong equation", "x = 6", "5", None, False),
+    ("last number of a list is not the answer", "1, 2, 3", "3", None, False),
+    ("missing element", "1, 2", "1, 2, 3", None, False),
+    ("two numbers", "5 or 6", "5", None, False),
+    ("prose with two numbers", "It is 5, not 6", "5", None, False),
+    # text answers
+    ("text", "Bread.", "bread", None, True),
+    ("text wrong", "butter", "bread", None, False),
+    # malformed and hostile: never right, never an error
+    ("division by zero", "\\frac{1}{0}", "5", None, False),
+    ("nan", "nan", "5", None, False),
+    ("inf", "inf", "5", None, False),
+    ("minus infinity", "-\\infty", "5", None, False),
+    ("overflowing literal", "1e999", "5", None, False),
+    ("10,000 digits", "9" * 10_000, "9", None, False),
+    ("10,000 digits of the truth", "5" + "0" * 9_999, "5", None, False),
+    ("unbalanced latex", "\\frac{1}{2}}{", "0.5", None, False),
+    ("lone command", "\\frac", "5", None, False),
+    ("empty boxed", "\\boxed{}", "5", None, False),
+    ("dollar signs only", "$$$$", "5", None, False),
+    ("carets", "^^^^", "5", None, False),
+    ("control characters", "\x00\uffff", "5", None, False),
+    ("power tower", "9^{9^{9^{9}}}", "5", None, False),
+    ("huge factorial", "(10^{10})!", "5", None, False),
+    ("huge binomial", "\\binom{10^{10}}{10^{5}}", "5", None, False),
+    ("symbolic expansion", "(a+b+c+d)^{99}", "5", None, False),
+    ("deep braces", "{" * 5000 + "5" + "}" * 5000, "5", None, False),
+    ("deep parentheses", "(" * 2000 + "5" + ")" * 2000, "5", None, False),
+    # refused by the screen, still graded by the one-number fallback
+    ("nested parentheses fallback", "((((((5))))))", "5", None, True),
+    ("prose fallback", "The answer is 12", "12", None, True),
+    ("prose fallback wrong", "The answer is 13", "12", None, False),
+    ("prose fallback with precision", "It is about 1.4523 cm", "1.45", 2, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("prediction", "truth", "precision", "correct"),
+    [row[1:] for row in EQUIVALENCE_TABLE],
+    ids=[row[0] for row in EQUIVALENCE_TABLE],
+)
+def test_reward_table(prediction, truth, precision, correct):
+    parts = math_task.reward(_completion(_answer(prediction)), _sample(truth, precision))
+    # every answer in the table is in one well-formed answer tag and is not blank
+    _assert_parts(parts, _expected(correct, True))
+
+
+FORMAT_TABLE = [
+    ("perfect", _answer("5"), _expected(True, True)),
+    ("whitespace around tags", "\n " + T + "\n<answer> 5 </answer>\n", _expected(True, True)),
+    ("wrong but well formed", _answer("4"), _expected(False, True)),
+    # graded without the think part or with text around, but the format part is lost
+    ("answer without think", "<answer>5</answer>", _expected(True, False)),
+    ("text before", "Sure! " + _answer("5"), _expected(True, False)),
+    ("text after", _answer("5") + " Done.", _expected(True, False)),
+    ("two think tags", T + _answer("5"), _expected(True, False)),
+    # no single non-blank answer tag: nothing to grade, no format
+    ("no tags", "5", _expected(False, False)),
+    ("only think", "<think>5</think>", _expected(False, False)),
+    ("empty answer", _answer(""), _expected(False, False)),
+    ("blank answer", _answer("  \n "), _expected(False, False)),
+    ("truncated answer", T + "<answer>5", _expected(False, False)),
+    ("two answer tags", T + "<answer>5</answer><answer>5</answer>", _expected(False, False)),
+    ("answer closed before opened", T + "</answer>5<answer>", _expected(False, False)),
+    ("nested tags", "<think><answer>5</answer></think>", _expected(True, False)),
+    ("empty", "", _expected(False, False)),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [row[1:] for row in FORMAT_TABLE], ids=[r[0] for r in FORMAT_TABLE]
+)
+def test_format_table(text, expected):
+    _assert_parts(math_task.reward(_completion(text), _sample("5")), expected)
+
+
+def test_text_answer_type_compares_text_even_for_numbers_in_words():
+    sample = _sample("red", answer_type="text")
+    assert math_task.reward(_completion(_answer("Red")), sample)["accuracy"] == 1.0
+    assert math_task.reward(_completion(_answer("red circle")), sample)["accuracy"] == 0.0
+    # a numeric-looking truth marked as text is still compared as text
+    assert math_task.is_equivalent("1/2", "0.5", as_text=True) is False
+
+
+def test_reward_never_raises_on_garbage():
+    garbage = ["<answer>", "</answer><answer>", "<answer>" + "\\frac{" * 3000 + "</answer>", "[" * 10000]
+    garbage += [_answer("\\" * 500), _answer("{" * 150 + "}" * 150), _answer("$" * 201), _answer("𝑥²=ⅈ")]
+    garbage += [_answer("9" * 40 + "^{99}"), _answer("\\sin(" + "9" * 20 + "^{99})"), _answer("0^{-1}")]
+    for text in garbage:
+        parts = math_task.reward(_completion(text), _sample("5"))
+        assert set(parts) == {"reward", "accuracy", "format"}
+        assert parts["accuracy"] == 0.0 and parts["reward"] in (0.0, 0.5)
+
+
+def test_prediction_is_the_stripped_answer():
+    assert math_task.prediction(_completion(_answer("  \\frac{1}{2} ")), _sample()) == "\\frac{1}{2}"
+    assert math_task.prediction(_completion(_answer("  ")), _sample()) is None
+    assert math_task.prediction(_completion("5"), _sample()) is None
+
+
+def test_task_is_registered():
+    task = get_task("math")
+    assert task is math_task.TASK
+    assert task.load is math_task.load and task.reward is math_task.reward
+    assert task.metrics == ("accuracy", "format")
+    assert task.reward_weights == {"accuracy": 1.0, "format": 0.5}
+    assert task.success == "accuracy" and task.parse is math_task.prediction
+    assert "<think></think>" in task.instruction and "<answer></answer>" in task.instruction
+
+
+# ---------------------------------------------------------------------------------------------- the guard
+
+HOSTILE = [
+    "9^{9^{9^{9}}}",
+    "(10^{10})!",
+    "\\binom{10^{10}}{10^{5}}",
+    "(a+b+c+d)^{99}",
+    "(a+b+c+d+e+f)^{9}",
+    "(a+b+c+d+e+f)" * 9,
+    "(a+b+c)" * 28,
+    "\\sin(" + "9" * 20 + "^{99})",
+    "((10^{99})^{99})^{99}",
+    "9^9^9^9",
+    "2**1000000000",
+    "\\sum_{n=1}^{10^{9}} n!",
+    "{" * 5000 + "1" + "}" * 5000,
+    "(" * 2000 + "1" + ")" * 2000,
+    "9" * 10_000,
+    "\\frac{1}{0}",
+    "99999999999999999999!",
+]
+
+
+@pytest.fixture(scope="module")
+def warm_math_verify():
+    # import math-verify and load its LaTeX grammar (about a second) before anything is timed
+    assert math_task.is_equivalent("\\frac{1}{2}", "0.5")
+
+
+@pytest.mark.parametrize("answer", HOSTILE, ids=range(len(HOSTILE)))
+def test_hostile_answers_return_quickly_in_the_main_thread(answer, warm_math_verify):
+    started = time.monotonic()
+    parts = math_task.reward(_completion(_answer(answer)), _sample("5"))
+    assert time.monotonic() - started < 2.0
+    _assert_parts(parts, _expected(False, True))
+
+
+def test_hostile_answers_return_quickly_in_another_thread(warm_math_verify):
+    def grade_all():
+        timings = []
+        for answer in HOSTILE:
+            started = time.monotonic()
+            parts = math_task.reward(_completion(_answer(answer)), _sample("5"))
+            timings.append((time.monotonic() - started, parts["accuracy"]))
+        return timings
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        timings = pool.submit(grade_all).result(timeout=60)
+    assert all(seconds < 2.0 and accuracy == 0.0 for seconds, accuracy in timings), timings
+
+
+def test_rewards_from_another_thread_equal_the_main_thread_ones(warm_math_verify):
+    rows = [(row[1], row[2], row[3]) for row in EQUIVALENCE_TABLE if len(row[1]) < 100]
+
+    def grade(row):
+        prediction, truth, precision = row
+        return math_task.reward(_completion(_answer(prediction)), _sample(truth, precision))
+
+    main = [grade(row) for row in rows]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        threaded = list(pool.map(grade, rows))
+    assert threaded == main
+
+
+SAFE_TABLE = [
+    ("\\frac{1}{2}", True),
+    ("2\\sqrt{221}", True),
+    ("6.02 \\times 10^{23}", True),
+    ("999^{99}", True),  # 3 digits x 99 = 297 digits at most
+    ("x^{3} + 1", True),
+    ("\\binom{10}{3}", True),
+    ("12!", True),
+    ("((((1))))", True),  # nesting 4
+    ("(((((1)))))", True),  # nesting 5
+    ("((((((1))))))", False),  # nesting 6
+    ("123!", False),  # factorial of more than 2 digits
+    ("(3)!", False),  # factorial of a bracket
+    ("10^{100}", False),  # exponent of 3 digits
+    ("(10^{99})^{99}", False),  # 2 x 99 x 99 digits
+    ("2^{3}^{4}", False),  # power of a power
+    ("{2^{3}}^{4}", False),
+    ("2^{3^{4}}", False),
+    ("(x+1)^{3}", True),
+    ("x^{4}", False),  # symbolic exponent above 3
+    ("(a+b)(a+b)(a+b)(a+b)(a+b)", False),  # five brackets with variables
+    ("The answer is 12", False),  # prose: more than three letters
+    ("x^{2} + y^{2}", False),  # two symbolic powers
+    ("(a+b+c+d)^{2}", False),  # four variables
+    ("\\binom{10}{3}^{2}", False),
+    ("1" * 21, False),
+    ("2**3", False),
+    ("\\int_0^1 x", False),
+    ("x" * 201, False),
+]
+
+
+@pytest.mark.parametrize(("text", "safe"), SAFE_TABLE, ids=[row[0] for row in SAFE_TABLE])
+def test_safe_for_math_verify(text, safe):
+    assert math_task.safe_for_math_verify(text) is safe
+
+
+def test_time_limit_interrupts_python_code_and_restores_the_previous_alarm():
+    calls = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: calls.append(signum))
+    signal.setitimer(signal.ITIMER_REAL, 30.0)
+    try:
+
+        def spin():
+            while True:
+                pass
+
+        started = time.monotonic()
+        assert math_task._run_with_time_limit(spin, 0.2) is None
+        assert time.monotonic() - started < 1.5
+        assert math_task._run_with_time_limit(lambda: 42, 0.2) == 42
+        assert math_task._run_with_time_limit(lambda: 1 / 0, 0.2) is None
+        # our handler is gone, the caller's is back, and its timer still runs with what was left of it
+        assert signal.getsignal(signal.SIGALRM) is not None and calls == []
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25.0 < remaining < 30.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_time_limit_is_skipped_outside_the_main_thread():
+    result = []
+    thread = threading.Thread(target=lambda: result.append(math_task._run_with_time_limit(lambda: 7, 0.1)))
+    thread.start()
+    thread.join()
+    assert result == [7]
+
+
+def test_the_module_name_does_not_shadow_the_standard_library():
+    import math as stdlib_math
+
+    import tasks._common as common
+
+    assert math_task.__name__ == "tasks.math"
+    assert sys.modules["math"] is stdlib_math and stdlib_math.sqrt(16.0) == 4.0
+    assert common.math is stdlib_math and math_task.math is stdlib_math
+    # from the repository root, a fresh interpreter gets both
+    check = "import tasks.math, math; assert math.sqrt(4.0) == 2.0 and tasks.math.NAME == 'math'"
+    subprocess.run([sys.executable, "-c", check], cwd=REPO, check=True)
+    # with the tasks folder on sys.path the file would shadow `math`: it refuses with a clear message
+    shadowed = subprocess.run([sys.executable, "-c", "import math"], cwd=REPO / "tasks", capture_output=True)
+    assert shadowed.returncode != 0 and b"run Python from the repository root" in shadowed.stderr
+
+
+# ---------------------------------------------------------------------------------------------- loaders
+
+
+def test_load_project_jsonl():
+    samples = math_task.load(source=str(FIXTURES / "project.jsonl"))
+    assert [s.id for s in samples] == ["p1", "2", "p3", "p4"]
+    assert samples[0].images == (str(FIXTURES / "images" / "shapes.png"),)
+    assert samples[0].answer == "4" and samples[0].question == "How many shapes are there in total?"
+    assert samples[0].meta == {"source": "project", "precision": None, "reference_thought": "I see 4 shapes."}
+    assert samples[1].images == () and samples[1].answer == "1.5"  # a JSON number becomes a string
+    assert samples[2].images == (str(FIXTURES / "images" / "chart.png"),)  # the single "image" key
+    assert samples[2].meta["precision"] == 2
+    assert len(samples[3].images) == 2 and samples[3].meta["answer_type"] == "text"
+    assert all(s.task == "math" for s in samples)
+    # images relative to an explicit image_root instead of the file's folder
+    rooted = math_task.load(source=str(FIXTURES / "project.jsonl"), image_root=str(REPO))
+    assert rooted[0].images == (str(REPO / "images" / "shapes.png"),)
+
+
+def test_load_geometry3k_parquet():
+    samples = math_task.load("test", str(FIXTURES / "geometry3k.parquet"))
+    assert [s.id for s in samples] == ["7", "8"]
+    assert samples[0].question == "Find x. Round to the nearest tenth."  # "<image>" removed
+    assert samples[0].answer == "10.8" and samples[0].meta == {"source": "geometry3k", "precision": 1}
+    assert samples[1].answer == "2\\sqrt{221}" and samples[1].meta["precision"] is None
+    assert isinstance(samples[0].images[0], Image.Image) and samples[0].images[0].size == (20, 16)
+    assert samples[1].images[0].size == (18, 18)
+    # the nearest tenth: 10.77 rounds to the answer
+    reward = math_task.reward(_completion(_answer("10.77")), samples[0])
+    assert reward["accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["mathvista.parquet", "mathvista_testmini.json"])
+def test_load_mathvista_free_form_rows_only(name):
+    samples = math_task.load(source=str(FIXTURES / name))
+    assert [s.id for s in samples] == ["1", "3"]  # pid 2 is multi_choice: the vqa task's
+    first, second = samples
+    assert first.question == "What is the length of AB? Answer with a number with 2 decimal places."
+    assert second.question == "How many bars are there? Answer with an integer."
+    assert first.answer == "1.45" and second.answer == "6"
+    assert first.meta["precision"] == 2 and second.meta["precision"] is None
+    assert first.meta["answer_type"] == "float" and first.meta["unit"] == "cm"
+    assert first.meta["query"].startswith("Hint:")
+    if name.endswith(".parquet"):
+        assert isinstance(first.images[0], Image.Image) and first.images[0].size == (16, 16)
+    else:
+        assert first.images == (str(FIXTURES / "images" / "mathvista" / "1.png"),)
+    assert math_task.reward(_completion(_answer("1.4523")), first)["accuracy"] == 1.0
+
+
+def test_load_gsm8k_jsonl():
+    samples = math_task.load(source=str(FIXTURES / "gsm8k.jsonl"))
+    assert [s.id for s in samples] == ["gsm8k_0", "gsm8k_1"]
+    assert [s.answer for s in samples] == ["10", "2500"]  # after "####", commas dropped
+    assert all(s.images == () for s in samples)
+    assert samples[0].meta == {
+        "source": "gsm8k",
+        "precision": None,
+        "reference_thought": "She has 3 * 4 = 12 apples. She has 12 - 2 = 10 left.",  # no <<...>> annotations
+    }
+    assert math_task.reward(_completion(_answer("2,500")), samples[1])["accuracy"] == 1.0
+
+
+def test_load_rejects_bad_sources(tmp_path):
+    with pytest.raises(ValueError, match=r"'validation'.*train, test"):
+        math_task.load("validation")
+    with pytest.raises(ValueError, match=r"'\.csv'.*\.jsonl, \.json, \.parquet"):
+        math_task.load(source=str(tmp_path / "problems.csv"))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        math_task.load(source=str(tmp_path / "missing.jsonl"))
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(json.dumps({"prompt": "1+1", "solution": "2"}) + "\n")
+    with pytest.raises(
+        ValueError, match=r"unrecognised math columns prompt, solution.*gsm8k: question, answer"
+    ):
+        math_task.load(source=str(unknown))
+    no_final = tmp_path / "gsm.jsonl"
+    no_final.write_text(json.dumps({"question": "q", "answer": "It is 4."}) + "\n")
+    with pytest.raises(ValueError, match=r"gsm.jsonl:1: a GSM8K answer must end with '#### <final answer>'"):
+        math_task.load(source=str(no_final))
+    bad_precision = tmp_path / "bad.jsonl"
+    bad_precision.write_text(json.dumps({"id": 1, "question": "q", "answer": "1.5", "precision": 1.5}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: 'precision' must be a whole number.*1\.5"):
+        math_task.load(source=str(bad_precision))
+    empty_answer = tmp_path / "empty.jsonl"
+    empty_answer.write_text(json.dumps({"id": 1, "question": "q", "answer": " "}) + "\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl:1: an answer must be a non-empty string"):
+        math_task.load(source=str(empty_answer))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"id": 1,\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:1: not JSON"):
+        math_task.load(source=str(broken))
+    choices_only = tmp_path / "mc.json"
+    choices_only.write_text(
+        json.dumps([{"pid": "9", "question": "q", "answer": "A", "question_type": "multi_choice"}])
+    )
+    with pytest.raises(ValueError, match=r"no MathVista rows with question_type 'free_form'.*vqa task"):
+        math_task.load(source=str(choices_only))
+    scalar = tmp_path / "scalar.json"
+    scalar.write_text("3")
+    with pytest.raises(ValueError, match=r"list of rows or a dict of rows keyed by id, got int"):
+        math_task.load(source=str(scalar))
+
+
+# ---------------------------------------------------------------------------------------------- embedded data
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return {split: math_task.load(split) for split in ("train", "test")}
+
+
+@pytest.fixture(scope="module")
+def embedded_rows():
+    return {
+        split: [json.loads(line) for line in (DATA_DIR / f"{split}.jsonl").read_text().splitlines()]
+        for split in ("train", "test")
+    }
+
+
+def test_embedded_splits_load_with_and_without_images(embedded):
+    assert len(embedded["train"]) == 600 and len(embedded["test"]) == 100
+    for samples in embedded.values():
+        assert len({s.id for s in samples}) == len(samples)
+        with_image = [s for s in samples if s.images]
+        without = [s for s in samples if not s.images]
+        assert len(with_image) > 0.6 * len(samples) and len(without) > 0.1 * len(samples)
+        assert all(s.images == () for s in without)
+        assert all(len(s.images) == 1 and Path(s.images[0]).is_file() for s in with_image)
+        assert all(s.meta["reference_thought"] and s.question.endswith(("?", ".")) for s in samples)
+
+
+def test_embedded_data_is_small():
+    total = sum(p.stat().st_size for p in DATA_DIR.rglob("*") if p.is_file())
+    assert total < 5_000_000
+
+
+def _count(objects, colour=None, shape=None):
+    return len([o for o in objects if colour in (None, o["colour"]) and shape in (None, o["shape"])])
+
+
+def _recomputed_answer(row) -> str:
+    """An independent reading of the generator's programs."""
+    program, objects = row["program"], row.get("objects")
+    kind = program["kind"]
+    if kind == "total":
+        return str(len(objects))
+    if kind == "sum":
+        return str(sum(_count(objects, colour, shape) for colour, shape in program["terms"]))
+    if kind == "add":
+        return str(_count(objects, program["colour"], program["shape"]) + program["add"])
+    if kind == "difference":
+        difference = _count(objects, shape=program["more"]) - _count(objects, shape=program["fewer"])
+        assert difference >= 0
+        return str(difference)
+    if kind == "colour":
+        return str(_count(objects, colour=program["colour"]))
+    if kind == "buy_groups":
+        return str(program["have"] + program["bags"] * program["per_bag"])
+    if kind == "change":
+        return str(program["paid"] - program["price"] * program["number"])
+    if kind == "boxes":
+        return str(-(-program["total"] // program["per_box"]))
+    if kind == "speed":
+        assert program["distance"] % program["hours"] == 0
+        return str(program["distance"] // program["hours"] * program["later"])
+    if kind == "fraction":
+        part = Fraction(program["eaten"], program["slices"])
+        return f"{part.numerator}/{part.denominator}"
+    assert kind == "share_decimal"
+    exact = Decimal(program["length"]) / Decimal(program["pieces"])
+    return str(exact.quantize(Decimal("0.01"), ROUND_HALF_UP))
+
+
+def _question_names(row) -> list[str]:
+    """Words the question must contain for its program."""
+    program = row["program"]
+    if program["kind"] == "sum":
+        return [f"{colour} {shape}s" for colour, shape in program["terms"]]
+    if program["kind"] == "add":
+        return [f"add {program['add']} more {program['colour']} {program['shape']}"]
+    if program["kind"] == "difference":
+        return [f"more {program['more']}s than {program['fewer']}s"]
+    if program["kind"] == "colour":
+        return [f"{program['colour']} shapes"]
+    return [str(v) for k, v in program.items() if k not in ("kind", "length")]
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_every_embedded_answer_is_recomputed_from_its_objects_or_numbers(embedded_rows, split):
+    kinds = set()
+    for row in embedded_rows[split]:
+        kinds.add(row["program"]["kind"])
+        assert row["answer"] == _recomputed_answer(row), row["id"]
+        assert all(name in row["question"] for name in _question_names(row)), row["id"]
+        assert bool(row["images"]) == ("objects" in row), row["id"]
+        assert row.get("precision") == (2 if row["program"]["kind"] == "share_decimal" else None), row["id"]
+    if split == "train":
+        assert kinds == set(make_math.IMAGE_KINDS) | set(make_math.TEXT_KINDS)
+
+
+def _blobs(image: Image.Image) -> list[tuple[tuple[int, int, int], tuple[int, int, int, int]]]:
+    """(colour, box) of every 4-connected region of non-grey pixels."""
+    width, height = image.size
+    pixels = image.load()
+    seen = set()
+    blobs = []
+    for y in range(height):
+        for x in range(width):
+            colour = pixels[x, y]
+            if (x, y) in seen or colour[0] == colour[1] == colour[2]:
+                continue
+            stack, box = [(x, y)], [x, y, x + 1, y + 1]
+            seen.add((x, y))
+            while stack:
+                px, py = stack.pop()
+                box = [min(box[0], px), min(box[1], py), max(box[2], px + 1), max(box[3], py + 1)]
+                for nx, ny in ((px + 1, py), (px - 1, py), (px, py + 1), (px, py - 1)):
+                    if (
+                        0 <= nx < width
+                        and 0 <= ny < height
+                        and (nx, ny) not in seen
+                        and pixels[nx, ny] == colour
+                    ):
+                        seen.add((nx, ny))
+                        stack.append((nx, ny))
+            blobs.append((colour, tuple(box)))
+    return blobs
+
+
+def test_embedded_pictures_show_exactly_their_objects(embedded_rows):
+    rows = [row for row in embedded_rows["test"] if row["images"]][:30]
+    for row in rows:
+        with Image.open(DATA_DIR / row["images"][0]) as image:
+            assert image.mode == "RGB" and image.size == (112, 112)
+            found = sorted(_blobs(image.convert("RGB")))
+        expected = sorted((make_math.COLOURS[o["colour"]], tuple(o["box"])) for o in row["objects"])
+        assert found == expected, row["id"]
+
+
+def test_reference_answers_on_the_embedded_test_split_get_full_reward(embedded):
+    for sample in embedded["test"]:
+        text = f"<think>{sample.meta['reference_thought']}</think><answer>{sample.answer}</answer>"
+        _assert_parts(math_task.reward(_completion(text), sample), _expected(True, True))
+
+
+def test_embedded_fraction_answers_accept_equivalent_forms(embedded):
+    fractions = [s for s in embedded["train"] if "/" in s.answer]
+    terminating = next(s for s in fractions if Fraction(s.answer).denominator in (2, 4, 5, 8, 10))
+    repeating = next(s for s in fractions if Fraction(s.answer).denominator in (3, 6, 12))
+    for sample in (terminating, repeating):
+        value = Fraction(sample.answer)
+        latex = f"\\frac{{{value.numerator}}}{{{value.denominator}}}"
+        assert math_task.reward(_completion(_answer(latex)), sample)["accuracy"] == 1.0, latex
+    decimal = str(Decimal(terminating.answer.split("/")[0]) / Decimal(terminating.answer.split("/")[1]))
+    assert math_task.reward(_completion(_answer(decimal)), terminating)["accuracy"] == 1.0, decimal
+    # a rounded decimal of a repeating fraction is wrong without a precision
+    rounded = f"{float(Fraction(repeating.answer)):.2f}"
+    assert math_task.reward(_completion(_answer(rounded)), repeating)["accuracy"] == 0.0, rounded
+
+
+# ---------------------------------------------------------------------------------------------- generator
+
+
+def _pixels(path):
+    with Image.open(path) as image:
+        return image.convert("RGB").tobytes()
+
+
+def test_generator_is_deterministic(tmp_path):
+    first = make_math.generate(tmp_path / "a", 8, seed=11, split="train")
+    second = make_math.generate(tmp_path / "b", 8, seed=11, split="train")
+    other = make_math.generate(tmp_path / "c", 8, seed=12, split="train")
+    assert first == second
+    assert first != other
+    for row in first:
+        for image in row["images"]:
+            assert _pixels(tmp_path / "a" / image) == _pixels(tmp_path / "b" / image)
+
+
+def test_embedded_test_split_matches_the_generator(tmp_path, embedded_rows):
+    n, seed = make_math.SPLIT_SIZES_AND_SEEDS["test"]
+    rows = make_math.generate(tmp_path, 6, seed=seed, split="test")  # a prefix of the split
+    assert rows == embedded_rows["test"][:6]
+    for row in rows:
+        for image in row["images"]:
+            assert _pixels(tmp_path / image) == _pixels(DATA_DIR / image)
+    assert len(embedded_rows["test"]) == n
+
+
+def test_write_split_writes_jsonl_the_loader_reads(tmp_path):
+    make_math.write_split(tmp_path, "test", 4, seed=5)
+    samples = math_task.load(source=str(tmp_path / "test.jsonl"))
+    assert [s.id for s in samples] == [f"test_{i:05d}" for i in range(4)]
+    assert all(Path(image).is_file() for s in samples for image in s.images)

@@ -1,0 +1,259 @@
+"""Presets: accelerate launch configs (read by accelerate's own loader and launcher), the scale-out training
+presets, and the model builder of scripts/gpu_check.py (3B size counted on the meta device, tiny built and
+loaded for real)."""
+
+import importlib.util
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from vlm_grpo_ma.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE_DIR = ROOT / "configs" / "accelerate"
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------------------------------------
+# accelerate configs
+
+# file -> (distributed_type, num_processes, mixed_precision, use_cpu)
+ACCELERATE_EXPECTED = {
+    "ddp.yaml": ("MULTI_GPU", 8, "bf16", False),
+    "fsdp.yaml": ("FSDP", 8, "bf16", False),
+    "deepspeed-zero2.yaml": ("DEEPSPEED", 8, "bf16", False),
+    "deepspeed-zero3.yaml": ("DEEPSPEED", 8, "bf16", False),
+    # MULTI_GPU on purpose: accelerate's launcher starts 2 workers only for multi-process types (see the file)
+    "cpu-2proc.yaml": ("MULTI_GPU", 2, "no", True),
+}
+
+
+def test_accelerate_presets_are_the_expected_files():
+    assert sorted(p.name for p in ACCELERATE_DIR.glob("*.yaml")) == sorted(ACCELERATE_EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(ACCELERATE_EXPECTED))
+def test_accelerate_preset_loads_with_accelerates_loader(name):
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    path = ACCELERATE_DIR / name
+    config = load_config_from_file(
+        str(path)
+    )  # what `accelerate launch --config_file` calls; rejects unknown keys
+    assert isinstance(config, ClusterConfig)
+    distributed_type, num_processes, mixed_precision, use_cpu = ACCELERATE_EXPECTED[name]
+    assert config.distributed_type.value == distributed_type
+    assert (config.num_processes, config.mixed_precision, config.use_cpu) == (
+        num_processes,
+        mixed_precision,
+        use_cpu,
+    )
+    assert (config.num_machines, config.machine_rank) == (1, 0)
+    text = path.read_text()
+    for flag in ("--num_machines", "--machine_rank", "--main_process_ip"):
+        assert flag in text, f"{name} should say how to override {flag} for several machines"
+
+
+def _launch_args(name):
+    """The launcher's view of a config file: what `accelerate launch --config_file FILE x.py` would use."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    args = launch_command_parser().parse_args(["--config_file", str(ACCELERATE_DIR / name), "x.py"])
+    args, _, _ = _validate_launch_command(args)
+    return args
+
+
+def test_fsdp_preset_wraps_qwen_layers_full_shard_bf16():
+    from accelerate.utils import FullyShardedDataParallelPlugin, prepare_multi_gpu_env
+
+    args = _launch_args("fsdp.yaml")
+    assert args.use_fsdp and args.mixed_precision == "bf16"
+    with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
+        plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward is True  # FSDP2's full shard
+    assert plugin.transformer_cls_names_to_wrap == ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
+    assert plugin.state_dict_type.name == "FULL_STATE_DICT"
+    assert plugin.cpu_ram_efficient_loading is False
+
+
+def test_fsdp_wrap_classes_exist_in_transformers():
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+
+    for name in ("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"):
+        assert hasattr(modeling_qwen2_5_vl, name)
+
+
+@pytest.mark.parametrize("name, stage", [("deepspeed-zero2.yaml", 2), ("deepspeed-zero3.yaml", 3)])
+def test_deepspeed_presets(name, stage):
+    args = _launch_args(name)
+    assert args.use_deepspeed and args.zero_stage == stage
+    assert (
+        args.gradient_clipping == load_config().train.max_grad_norm
+    )  # the engine clips, at the config's norm
+    assert args.gradient_accumulation_steps == 1
+    assert args.offload_optimizer_device == args.offload_param_device == "none"
+
+
+def test_multi_process_launchers():
+    ddp, cpu = _launch_args("ddp.yaml"), _launch_args("cpu-2proc.yaml")
+    assert ddp.multi_gpu and ddp.num_processes == 8
+    # multi_gpu routes to torchrun (num_processes workers); each becomes a MULTI_CPU process where CUDA is absent
+    assert cpu.multi_gpu and cpu.num_processes == 2 and cpu.use_cpu and cpu.mixed_precision == "no"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training presets
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize(
+    "name, model, k, m, lora_rank, dtype",
+    [
+        ("qwen2.5-vl-3b-lora-grounding-t4a4.yaml", "Qwen/Qwen2.5-VL-3B-Instruct", 4, 4, 64, "bfloat16"),
+        ("qwen2.5-vl-3b-lora-grounding-t16a1.yaml", "Qwen/Qwen2.5-VL-3B-Instruct", 16, 1, 64, "bfloat16"),
+        ("qwen2.5-vl-7b-fsdp-grounding-t4a4.yaml", "Qwen/Qwen2.5-VL-7B-Instruct", 4, 4, 0, "float32"),
+        ("qwen3-vl-4b-grounding-t4a4.yaml", "Qwen/Qwen3-VL-4B-Instruct", 4, 4, 0, "float32"),
+    ],
+)
+def test_scale_out_presets(name, model, k, m, lora_rank, dtype):
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.model.name_or_path == model
+    assert (cfg.rollout.num_thoughts, cfg.rollout.num_answers) == (k, m)
+    assert cfg.answers_per_prompt == 16  # the paper's comparison holds the answer budget fixed
+    assert cfg.model.lora_rank == lora_rank and cfg.model.dtype == dtype
+    assert cfg.train.mixed_precision == "bf16"
+    assert cfg.model.attn_implementation == "auto" and cfg.model.gradient_checkpointing
+    assert cfg.data.task == "grounding"
+    assert cfg.train.output_dir == f"runs/{name.removesuffix('.yaml')}"
+    if lora_rank:
+        assert cfg.model.lora_alpha == 128.0 and cfg.model.lora_dropout == 0.0
+        assert cfg.model.lora_target_modules == LORA_TARGETS and cfg.model.freeze_vision
+
+
+def test_lora_pair_differs_only_in_k_m_and_output_dir():
+    t4a4 = load_config(ROOT / "configs" / "qwen2.5-vl-3b-lora-grounding-t4a4.yaml").to_dict()
+    t16a1 = load_config(ROOT / "configs" / "qwen2.5-vl-3b-lora-grounding-t16a1.yaml").to_dict()
+    for cfg in (t4a4, t16a1):
+        del cfg["rollout"]["num_thoughts"], cfg["rollout"]["num_answers"], cfg["train"]["output_dir"]
+    assert t4a4 == t16a1
+
+
+def test_fsdp_preset_names_its_launch_command():
+    text = (ROOT / "configs" / "qwen2.5-vl-7b-fsdp-grounding-t4a4.yaml").read_text()
+    assert "accelerate launch --config_file configs/accelerate/fsdp.yaml -m vlm_grpo_ma.train" in text
+    assert "--config configs/qwen2.5-vl-7b-fsdp-grounding-t4a4.yaml" in text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# scripts/gpu_check.py
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    return _gpu_check()
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    from vlm_grpo_ma.tiny import TINY_MODEL_DIR
+
+    return AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+
+
+def test_gpu_check_3b_config_has_qwen2_5_vl_3b_size(gpu_check, tiny_tokenizer):
+    config = gpu_check.build_config("3b", tiny_tokenizer)
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads) == (
+        2048,
+        36,
+        16,
+        2,
+    )
+    assert (text.intermediate_size, text.vocab_size) == (11008, 151936)
+    assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
+    assert (vision.depth, vision.hidden_size, vision.out_hidden_size, vision.intermediate_size) == (
+        32,
+        1280,
+        2048,
+        3420,
+    )
+    assert list(vision.fullatt_block_indexes) == [7, 15, 23, 31]
+    assert config.image_token_id == tiny_tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    with torch.device("meta"):  # counted, never allocated (~7.5 GB in bf16)
+        model = gpu_check.build_model(config, device="meta", dtype="bfloat16")
+    params = gpu_check.count_parameters(model)
+    assert abs(params - 3.75e9) / 3.75e9 < 0.03, params
+    assert params == 3_754_622_976  # pinned: vision 668,684,288 + text 3,085,938,688 (embeddings tied)
+
+
+def test_gpu_check_tiny_model_builds_saves_and_loads(gpu_check, tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    params = gpu_check.save_model_folder(tmp_path, "tiny", device="cpu", dtype="float32")
+    assert params < 20_000_000
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path)
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert gpu_check.count_parameters(model) == params
+    assert model.config.text_config.vocab_size == 151936 > len(processor.tokenizer)
+    ids = processor.tokenizer("<think>", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert model(input_ids=ids).logits.shape == (1, ids.shape[1], 151936)
+
+
+def test_gpu_check_train_command(gpu_check, tmp_path):
+    args = gpu_check.build_arg_parser().parse_args(["--steps", "3", "--lora", "train.seed=1"])
+    args.device = "cuda"
+    command = gpu_check.train_command(args, tmp_path / "model", tmp_path / "run")
+    assert command[1:3] == ["-m", "vlm_grpo_ma.train"]
+    assert command[command.index("--config") + 1].endswith("qwen2.5-vl-3b-lora-grounding-t4a4.yaml")
+    overrides = [a for a in command if "=" in a]
+    cfg = load_config(
+        ROOT / "configs" / "qwen2.5-vl-3b-lora-grounding-t4a4.yaml", overrides
+    )  # they all validate
+    assert (cfg.train.steps, cfg.train.prompts_per_step, cfg.train.seed) == (3, 8, 1)
+    assert (cfg.rollout.num_thoughts, cfg.rollout.num_answers) == (4, 4)
+    assert (cfg.rollout.max_thought_tokens, cfg.rollout.max_answer_tokens) == (256, 32)
+    assert (cfg.model.dtype, cfg.train.mixed_precision, cfg.model.attn_implementation) == (
+        "bfloat16",
+        "bf16",
+        "auto",
+    )
+    assert cfg.model.gradient_checkpointing and cfg.model.min_pixels == cfg.model.max_pixels == 401408
+    assert cfg.data.source is None and cfg.model.lora_rank == 64
+    args.device = "cpu"
+    cpu = load_config(None, [a for a in gpu_check.train_command(args, tmp_path, tmp_path) if "=" in a])
+    assert (cpu.model.dtype, cpu.train.mixed_precision) == ("float32", "no")
+
+
+def test_gpu_check_summary_reads_metrics(gpu_check):
+    records = [
+        {"step": 1, "time/step_seconds": 9.0, "time/rollout_seconds": 5.0, "time/generated_tokens_per_second": 10.0,
+         "time/trained_tokens_per_second": 1.0, "time/peak_gpu_memory_gb": 40.0},
+        {"step": 2, "time/step_seconds": 4.0, "time/rollout_seconds": 2.0, "time/generated_tokens_per_second": 30.0,
+         "time/trained_tokens_per_second": 3.0, "time/peak_gpu_memory_gb": 41.5},
+        {"step": 3, "time/step_seconds": 6.0, "time/rollout_seconds": 3.0, "time/generated_tokens_per_second": 50.0,
+         "time/trained_tokens_per_second": 5.0, "time/peak_gpu_memory_gb": 41.0},
+    ]  # fmt: skip
+    log = "INFO model /x (Qwen2_5_VLForConditionalGeneration, 9 parameters, attention flash_attention_2, coordinate frame absolute_input)"
+    result = gpu_check.summarize_run(records, log)
+    assert result["attention"] == "flash_attention_2"
+    assert result["first_step_seconds"] == 9.0 and result["step_seconds"] == 5.0  # step 1 is warm-up
+    assert (result["generated_tokens_per_second"], result["trained_tokens_per_second"]) == (40.0, 4.0)
+    assert result["peak_gpu_memory_gb"] == 41.5
+    no_peak = gpu_check.summarize_run([{k: v for k, v in r.items() if "peak" not in k} for r in records], "")
+    assert no_peak["peak_gpu_memory_gb"] is None and no_peak["attention"] is None
+    assert gpu_check._fmt(None) == "n/a"
