@@ -178,3 +178,12 @@ def test_a_prompts_tree_does_not_depend_on_its_batch(tiny_policy):
     other_seed = sample_tree(tiny_policy, prompts[2:], num_thoughts=2, num_answers=2,
                              settings=SamplingSettings(**settings, generators=prompt_generators(8, 2, 2)))
     assert other_seed.thought_ids != part.thought_ids
+
+
+def test_stop_candidates_are_the_tokens_that_can_finish_the_stop_text(tiny_policy):
+    tok = tiny_policy.tokenizer
+    candidates = tiny_policy.stop_candidates("</think>")
+    assert tok.convert_tokens_to_ids("</think>") in candidates
+    assert all(">" in tok.decode([i]) for i in candidates)
+    others = [i for i in range(len(tok)) if i not in candidates]
+    assert others and not any(">" in tok.decode([i]) for i in others)

@@ -331,13 +331,17 @@ def results_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
             cells = [bench, name] + ["" if v is None else _fmt(name, v) for v in values]
             if len(models) > 1:
                 first, last = values[0], values[-1]
-                cells.append("" if first is None or last is None else f"{last - first:+.3f}")
+                change = None if first is None or last is None else last - first
+                cells.append("" if change is None else f"{int(change):+d}" if name in COUNTS else f"{change:+.3f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
+COUNTS = ("prompts", "answers")
+
+
 def _fmt(name: str, value: float) -> str:
-    return str(int(value)) if name in ("prompts", "answers") else f"{value:.3f}"
+    return str(int(value)) if name in COUNTS else f"{value:.3f}"
 
 
 def evaluate_models(

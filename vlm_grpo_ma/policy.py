@@ -89,6 +89,17 @@ class Policy:
         return sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != unk)
 
 
+    def stop_candidates(self, stop_text: str) -> frozenset[int]:
+        """Token ids whose text holds the stop text's last character. A stop text that was not in a row's
+        text before its newest token can only appear now if that token supplies its last character, so
+        only after these tokens does decoding need to look (per stop text, computed once)."""
+        cache = self.__dict__.setdefault("_stop_candidates", {})
+        if stop_text not in cache:
+            texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+            cache[stop_text] = frozenset(i for i, text in enumerate(texts) if stop_text[-1] in text)
+        return cache[stop_text]
+
+
 def resolve_model_path(name_or_path: str) -> str:
     from vlm_grpo_ma.tiny import TINY_MODEL_DIR, TINY_MODEL_NAME
 
@@ -417,6 +428,7 @@ def _decode(
     pad = torch.full((n,), policy.pad_token_id, dtype=torch.long)
     final_logits = state.logits.clone()
     suffix_len = len(forced_suffix) if forced_suffix else 0
+    stop_candidates = policy.stop_candidates(stop_text)
     for step in range(max_tokens):
         sampled, sampled_logprobs = _sample_tokens(state.logits, settings, policy.suppressed_token_ids)
         sampled, sampled_logprobs = sampled.cpu(), sampled_logprobs.float().cpu()
@@ -437,7 +449,7 @@ def _decode(
             if forcing:
                 if sum(forced_out[row]) == suffix_len:
                     done[row] = truncated[row] = True
-            elif token in eos or stop_text in policy.tokenizer.decode(tokens_out[row][-8:]):
+            elif token in eos or (token in stop_candidates and stop_text in policy.tokenizer.decode(tokens_out[row][-8:])):
                 done[row] = True
         logits = _step(policy, state, tokens, real)
         finished_now = torch.tensor([d for d in done]) & real
