@@ -265,3 +265,8 @@ def test_a_crash_after_the_weights_moved_does_not_checkpoint_a_half_step(untrain
         train_module.train(_cfg(untrained_tiny_dir, run, "train.checkpoint_every=2", "data.task=answer_length",
                                 f"data.task_modules=[{LENGTH_TASK}]"))
     assert [p.name for p in list_checkpoints(run)] == ["step-000002"]  # not a "step 2" holding step 3's weights
+
+
+def test_overrides_may_sit_between_options(tmp_path, capsys):
+    code = train_module.main(["--task", "grounding", "train.steps=0", "--output-dir", str(tmp_path / "r"), "logging.log_every=1"])
+    assert code == 2 and "train.steps=0 must be > 0" in capsys.readouterr().err  # parsed, then validated

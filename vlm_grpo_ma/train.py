@@ -601,7 +601,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_arg_parser().parse_args(argv)
+    # intermixed: dotted overrides may come before, between or after the options
+    args = build_arg_parser().parse_intermixed_args(argv)
     overrides = list(args.overrides)
     if args.task:
         overrides.append(f"data.task={args.task}")
