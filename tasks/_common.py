@@ -8,11 +8,14 @@ convert with ``Completion.to_original_pixels`` (the one conversion) and then use
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
 import string
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 # One number as a model writes it: optional sign, int or decimal, optional exponent, and the words
 # nan/inf/infinity, which come out non-finite so that callers reject them rather than guess.
@@ -299,3 +302,33 @@ def draw_marks(
         pen.line([x - arm, y, x + arm, y], fill=colour, width=width)
         pen.line([x, y - arm, x, y + arm], fill=colour, width=width)
     return canvas
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def require_keys(row: dict, keys: Sequence[str], where: str) -> None:
+    """Raise ValueError naming ``where``, the missing keys and all required keys."""
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}; required: {', '.join(keys)}")
+
+
+def image_from_cell(cell: Any, root: Path, where: str) -> Any | None:
+    """A path string, a Hugging Face image cell {"bytes", "path"} or None -> path str, lazy PIL image or None.
+
+    ``Image.open`` on bytes reads only the header; pixels are decoded when the policy first uses the image.
+    """
+    if cell is None or cell == "":
+        return None
+    if isinstance(cell, str):
+        return str((root / cell).resolve())
+    if isinstance(cell, dict):
+        if cell.get("bytes"):
+            from PIL import Image
+
+            return Image.open(io.BytesIO(cell["bytes"]))
+        if cell.get("path"):
+            return str((root / cell["path"]).resolve())
+        return None
+    raise ValueError(f"{where}: an image is a path or a {{'bytes', 'path'}} cell, got {type(cell).__name__}")

@@ -62,6 +62,7 @@ from tasks._common import (
     order_corners,
     parse_box,
     parse_points,
+    require_keys,
 )
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
 
@@ -437,12 +438,6 @@ def _read_json_list(path: Path) -> list[dict]:
     return rows
 
 
-def _require(row: dict, keys: tuple[str, ...], where: str) -> None:
-    missing = [k for k in keys if k not in row]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)}; required: {', '.join(keys)}")
-
-
 def _image_size(path: str, where: str, what: str = "image") -> tuple[int, int]:
     """(width, height) from the file header, or a clear error naming the file."""
     try:
@@ -485,7 +480,7 @@ def _load_project_jsonl(path: Path, image_root: str | None) -> list[Sample]:
     samples = []
     for line_number, row in enumerate(_read_jsonl(path), start=1):
         where = f"{path}:{line_number}"
-        _require(row, PROJECT_KEYS, where)
+        require_keys(row, PROJECT_KEYS, where)
         if row.get("mask") is None and row.get("box") is None:
             raise ValueError(f"{where}: a row needs a mask, a box, or both; it has neither")
         image = str((root / row["image"]).resolve())
@@ -535,7 +530,7 @@ def _load_where2place(path: Path, image_root: str | None) -> list[Sample]:
     samples = []
     for line_number, row in enumerate(_read_jsonl(path), start=1):
         where = f"{path}:{line_number}"
-        _require(row, WHERE2PLACE_KEYS, where)
+        require_keys(row, WHERE2PLACE_KEYS, where)
         question_id = row["question_id"]
         if (
             isinstance(question_id, bool)
@@ -595,7 +590,7 @@ def _load_roborefit(path: Path, rows: list, image_root: str | None) -> list[Samp
         where = f"{path}: row {index}"
         if not isinstance(row, dict):
             raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-        _require(row, ROBOREFIT_KEYS, where)
+        require_keys(row, ROBOREFIT_KEYS, where)
         image = _roborefit_path(row["rgb_path"], path, image_root, where, "rgb_path")
         size = _image_size(image, where)
         mask = None

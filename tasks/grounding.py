@@ -36,6 +36,7 @@ from tasks._common import (
     iou,
     order_corners,
     parse_box,
+    require_keys,
 )
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
 
@@ -177,12 +178,6 @@ def _box(values: Any, where: str) -> list[float]:
     return [float(v) for v in values]
 
 
-def _require(row: dict, keys: tuple[str, ...], where: str) -> None:
-    missing = [k for k in keys if k not in row]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)}; required: {', '.join(keys)}")
-
-
 def _sample(sample_id: str, expression: str, image: Any, box: list[float], meta: dict) -> Sample:
     if "width" not in meta or "height" not in meta:
         meta["width"], meta["height"] = _image_size(image)
@@ -200,7 +195,7 @@ def _load_project_jsonl(path: Path, image_root: str | None) -> list[Sample]:
                 continue
             where = f"{path}:{line_number}"
             row = json.loads(line)
-            _require(row, ("id", "image", "expression", "box"), where)
+            require_keys(row, ("id", "image", "expression", "box"), where)
             meta = {k: row[k] for k in ("width", "height", "reference_thought") if k in row}
             image = _resolve_image(row["image"], path, image_root)
             samples.append(_sample(str(row["id"]), row["expression"], image, _box(row["box"], where), meta))
@@ -269,7 +264,7 @@ def _load_vlm_r1_json(path: Path, image_root: str | None) -> list[Sample]:
     samples = []
     for index, row in enumerate(rows):
         where = f"{path}: row {index}"
-        _require(row, VLM_R1_KEYS, where)
+        require_keys(row, VLM_R1_KEYS, where)
         image_ref = (
             row["image"][0] if isinstance(row["image"], list) and len(row["image"]) == 1 else row["image"]
         )

@@ -52,7 +52,6 @@ if __name__ == "math":
     )
 
 import functools
-import io
 import json
 
 # This module is ``tasks.math``; ``import math`` here and in the other task modules is the standard library
@@ -67,9 +66,13 @@ from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
-from tasks._common import extract_tag, has_think_answer_format, normalise_answer
+from tasks._common import (
+    extract_tag,
+    has_think_answer_format,
+    image_from_cell,
+    normalise_answer,
+    require_keys,
+)
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
 
 NAME = "math"
@@ -601,36 +604,12 @@ def _detect_schema(rows: list[tuple[str | None, str, Any]], path: Path) -> str:
     )
 
 
-def _require(row: dict, keys: tuple[str, ...], where: str) -> None:
-    missing = [k for k in keys if k not in row]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)}; required: {', '.join(keys)}")
-
-
-def _image(cell: Any, root: Path, where: str) -> Any | None:
-    """A path string, a Hugging Face image cell {"bytes", "path"} or None -> path str, lazy PIL image or None.
-
-    ``Image.open`` on bytes reads only the header; pixels are decoded when the policy first uses the image.
-    """
-    if cell is None or cell == "":
-        return None
-    if isinstance(cell, str):
-        return str((root / cell).resolve())
-    if isinstance(cell, dict):
-        if cell.get("bytes"):
-            return Image.open(io.BytesIO(cell["bytes"]))
-        if cell.get("path"):
-            return str((root / cell["path"]).resolve())
-        return None
-    raise ValueError(f"{where}: an image is a path or a {{'bytes', 'path'}} cell, got {type(cell).__name__}")
-
-
 def _images(cells: Any, root: Path, where: str) -> tuple:
     if cells is None:
         return ()
     if not isinstance(cells, list | tuple):
         raise ValueError(f"{where}: 'images' must be a list of images (paths or image cells), got {cells!r}")
-    return tuple(image for image in (_image(cell, root, where) for cell in cells) if image is not None)
+    return tuple(image for image in (image_from_cell(cell, root, where) for cell in cells) if image is not None)
 
 
 def _precision(value: Any, where: str) -> int | None:
@@ -653,11 +632,11 @@ def _sample(sample_id: str, question: str, images: tuple, answer: str, meta: dic
 
 def _project_sample(row: dict, sample_id: str, root: Path, where: str) -> Sample:
     """The project's JSONL (see ``data/make_math.py``); extra keys (``objects``, ``program``) are ignored."""
-    _require(row, PROJECT_COLUMNS, where)
+    require_keys(row, PROJECT_COLUMNS, where)
     if "images" in row:
         images = _images(row["images"], root, where)
     else:
-        image = _image(row.get("image"), root, where)
+        image = image_from_cell(row.get("image"), root, where)
         images = (image,) if image is not None else ()
     meta = {"source": "project", "precision": _precision(row.get("precision"), where)}
     meta.update({k: row[k] for k in ("answer_type", "reference_thought") if row.get(k)})
@@ -669,7 +648,7 @@ _ROUNDING_PRECISION = {"tenth": 1, "hundredth": 2, "thousandth": 3}
 
 
 def _geometry3k_sample(row: dict, sample_id: str, root: Path, where: str) -> Sample:
-    _require(row, GEOMETRY3K_COLUMNS, where)
+    require_keys(row, GEOMETRY3K_COLUMNS, where)
     problem = str(row["problem"]).replace("<image>", " ")
     rounding = _ROUND_TO.search(problem)
     meta = {
@@ -704,11 +683,11 @@ def mathvista_hint(answer_type: str | None, precision: int | None) -> str:
 
 
 def _mathvista_sample(row: dict, sample_id: str, root: Path, where: str) -> Sample | None:
-    _require(row, MATHVISTA_COLUMNS, where)
+    require_keys(row, MATHVISTA_COLUMNS, where)
     if row["question_type"] != "free_form":
         return None
     precision = _precision(row.get("precision"), where)
-    image = _image(row.get("decoded_image"), root, where) or _image(row.get("image"), root, where)
+    image = image_from_cell(row.get("decoded_image"), root, where) or image_from_cell(row.get("image"), root, where)
     meta = {
         "source": "mathvista",
         "precision": precision,
@@ -730,7 +709,7 @@ _CALCULATOR_ANNOTATION = re.compile(r"<<[^<>]*>>")
 
 
 def _gsm8k_sample(row: dict, sample_id: str, root: Path, where: str) -> Sample:
-    _require(row, GSM8K_COLUMNS, where)
+    require_keys(row, GSM8K_COLUMNS, where)
     solution = str(row["answer"])
     if "####" not in solution:
         raise ValueError(

@@ -34,16 +34,19 @@ CLEVR counting (``clevr_cogen_a_train``).
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
-from tasks._common import extract_tag, has_think_answer_format, normalise_answer
+from tasks._common import (
+    extract_tag,
+    has_think_answer_format,
+    image_from_cell,
+    normalise_answer,
+    require_keys,
+)
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
 
 NAME = "vqa"
@@ -361,30 +364,6 @@ def _scienceqa_split(rows: list[tuple[str | None, str, Any]], split: str, path: 
     return kept
 
 
-def _require(row: dict, keys: tuple[str, ...], where: str) -> None:
-    missing = [k for k in keys if k not in row]
-    if missing:
-        raise ValueError(f"{where}: missing {', '.join(missing)}; required: {', '.join(keys)}")
-
-
-def _image(cell: Any, root: Path, where: str) -> Any | None:
-    """A path string, a Hugging Face image cell {"bytes", "path"} or None -> path str, lazy PIL image or None.
-
-    ``Image.open`` on bytes reads only the header; pixels are decoded when the policy first uses the image.
-    """
-    if cell is None or cell == "":
-        return None
-    if isinstance(cell, str):
-        return str((root / cell).resolve())
-    if isinstance(cell, dict):
-        if cell.get("bytes"):
-            return Image.open(io.BytesIO(cell["bytes"]))
-        if cell.get("path"):
-            return str((root / cell["path"]).resolve())
-        return None
-    raise ValueError(f"{where}: an image is a path or a {{'bytes', 'path'}} cell, got {type(cell).__name__}")
-
-
 def _choices(values: Any, where: str) -> tuple[str, ...]:
     if not isinstance(values, list | tuple) or len(values) < 2:
         raise ValueError(f"{where}: 'choices' must be a list of at least 2 options, got {values!r}")
@@ -443,11 +422,11 @@ def _short_answer(
 
 
 def _project_sample(row: dict, sample_id: str, root: Path, where: str, keyed: bool) -> Sample:
-    _require(row, PROJECT_COLUMNS, where)
+    require_keys(row, PROJECT_COLUMNS, where)
     cells = row.get("images") or ([row["image"]] if row.get("image") else [])
     if not isinstance(cells, list | tuple):
         raise ValueError(f"{where}: 'images' must be a list of image paths, got {cells!r}")
-    images = tuple(image for image in (_image(c, root, where) for c in cells) if image is not None)
+    images = tuple(image for image in (image_from_cell(c, root, where) for c in cells) if image is not None)
     meta = {"source": "project", "precision": _precision(row.get("precision"), where)}
     if row.get("choices"):
         choices = _choices(row["choices"], where)
@@ -458,7 +437,7 @@ def _project_sample(row: dict, sample_id: str, root: Path, where: str, keyed: bo
 
 
 def _scienceqa_sample(row: dict, sample_id: str, root: Path, where: str, keyed: bool) -> Sample:
-    _require(row, SCIENCEQA_COLUMNS, where)
+    require_keys(row, SCIENCEQA_COLUMNS, where)
     choices = _choices(row["choices"], where)
     answer = row["answer"]
     if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
@@ -470,19 +449,19 @@ def _scienceqa_sample(row: dict, sample_id: str, root: Path, where: str, keyed: 
         cell = (
             f"{row.get('split')}/{sample_id}/{cell}"  # the original release: images/{split}/{pid}/image.png
         )
-    image = _image(cell, root, where)
+    image = image_from_cell(cell, root, where)
     meta = {"source": "scienceqa", "precision": None, **{k: row[k] for k in SCIENCEQA_META if row.get(k)}}
     question = question_with_choices(str(row["question"]), choices, context=str(row.get("hint") or ""))
     return _multiple_choice(sample_id, question, choices, answer, (image,) if image is not None else (), meta)
 
 
 def _mathvista_sample(row: dict, sample_id: str, root: Path, where: str, keyed: bool) -> Sample | None:
-    _require(row, MATHVISTA_COLUMNS, where)
+    require_keys(row, MATHVISTA_COLUMNS, where)
     if row["question_type"] != "multi_choice":
         return None
     choices = _choices(row["choices"], where)
     index = _answer_index(row["answer"], choices, where)
-    image = _image(row.get("decoded_image"), root, where) or _image(row.get("image"), root, where)
+    image = image_from_cell(row.get("decoded_image"), root, where) or image_from_cell(row.get("image"), root, where)
     meta = {
         "source": "mathvista",
         "precision": _precision(row.get("precision"), where),
@@ -498,12 +477,12 @@ def _mathvista_sample(row: dict, sample_id: str, root: Path, where: str, keyed: 
 
 
 def _r1v_clevr_sample(row: dict, sample_id: str, root: Path, where: str, keyed: bool) -> Sample:
-    _require(row, R1V_CLEVR_COLUMNS, where)
+    require_keys(row, R1V_CLEVR_COLUMNS, where)
     solution = str(row["solution"])
     # R1-V's own accuracy reward takes the inside of <answer> when present, else the whole solution.
     tagged = extract_tag(solution, "answer")
     answer = (tagged if tagged is not None else solution).strip()
-    image = _image(row["image"], root, where)
+    image = image_from_cell(row["image"], root, where)
     question = str(row["problem"]).replace("<image>", "")
     meta = {"source": "r1v_clevr", "precision": None}
     return _short_answer(sample_id, question, answer, (image,) if image is not None else (), meta, where)
