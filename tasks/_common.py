@@ -332,3 +332,52 @@ def image_from_cell(cell: Any, root: Path, where: str) -> Any | None:
             return str((root / cell["path"]).resolve())
         return None
     raise ValueError(f"{where}: an image is a path or a {{'bytes', 'path'}} cell, got {type(cell).__name__}")
+
+
+def read_rows(path: Path) -> list[tuple[str | None, str, Any]]:
+    """``[(key or None, where, row)]`` from a file's rows: JSONL lines, a JSON list, a JSON dict of rows keyed
+    by id (key = that id), or parquet (chosen by suffix). ``where`` names the row in error messages
+    (``file:line`` for JSONL)."""
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path).to_pylist()
+        return [(None, f"{path}: row {index}", row) for index, row in enumerate(table)]
+    if path.suffix.lower() == ".jsonl":
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        rows.append((None, f"{path}:{line_number}", json.loads(line)))
+                    except json.JSONDecodeError as error:
+                        raise ValueError(f"{path}:{line_number}: not JSON: {error}") from None
+        return rows
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not JSON: {error}") from None
+    if isinstance(data, list):
+        return [(None, f"{path}: row {index}", row) for index, row in enumerate(data)]
+    if isinstance(data, dict) and data and all(isinstance(row, dict) for row in data.values()):
+        return [(str(key), f"{path}: {key!r}", row) for key, row in data.items()]
+    raise ValueError(f"{path}: a JSON file of rows is a list of rows or a dict of rows keyed by id, got {type(data).__name__}")
+
+
+def detect_schema(rows: Sequence[tuple[str | None, str, Any]], path: Path, schemas: dict[str, Sequence[str]], task: str) -> str:
+    """The first schema whose columns the first row has; ValueError naming the columns found and needed."""
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    first = rows[0][2]
+    if not isinstance(first, dict):
+        raise ValueError(f"{path}: rows must be JSON objects, got {type(first).__name__}")
+    for schema, columns in schemas.items():
+        if all(column in first for column in columns):
+            return schema
+    described = "; ".join(f"{name}: {', '.join(columns)}" for name, columns in schemas.items())
+    raise ValueError(
+        f"{path}: unrecognised {task} columns {', '.join(sorted(map(str, first))) or '(none)'}; "
+        f"each schema needs these columns: {described}"
+    )

@@ -52,7 +52,6 @@ if __name__ == "math":
     )
 
 import functools
-import json
 
 # This module is ``tasks.math``; ``import math`` here and in the other task modules is the standard library
 # (imports are absolute). Only a tasks folder on sys.path would shadow it: see the check above.
@@ -67,10 +66,12 @@ from pathlib import Path
 from typing import Any
 
 from tasks._common import (
+    detect_schema,
     extract_tag,
     has_think_answer_format,
     image_from_cell,
     normalise_answer,
+    read_rows,
     require_keys,
 )
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
@@ -535,8 +536,8 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
         )
     if not path.is_file():
         raise FileNotFoundError(f"math source file not found: {path}")
-    rows = _read_rows(path, suffix)
-    schema = _detect_schema(rows, path)
+    rows = read_rows(path)
+    schema = detect_schema(rows, path, SCHEMAS, NAME)
     loader = {
         "project": _project_sample,
         "geometry3k": _geometry3k_sample,
@@ -554,54 +555,6 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
             f"{path}: no MathVista rows with question_type 'free_form'; multi_choice rows belong to the vqa task"
         )
     return samples
-
-
-def _read_rows(path: Path, suffix: str) -> list[tuple[str | None, str, Any]]:
-    """``[(key or None, where, row)]`` from JSONL lines, a JSON list, a JSON dict keyed by id, or parquet;
-    ``where`` names the row in error messages (``file:line`` for JSONL)."""
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path).to_pylist()
-        return [(None, f"{path}: row {index}", row) for index, row in enumerate(table)]
-    if suffix == ".jsonl":
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append((None, f"{path}:{line_number}", json.loads(line)))
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{line_number}: not JSON: {error}") from None
-        return rows
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not JSON: {error}") from None
-    if isinstance(data, list):
-        return [(None, f"{path}: row {index}", row) for index, row in enumerate(data)]
-    if isinstance(data, dict) and data and all(isinstance(row, dict) for row in data.values()):
-        return [(str(key), f"{path}: {key!r}", row) for key, row in data.items()]
-    raise ValueError(
-        f"{path}: a math JSON file is a list of rows or a dict of rows keyed by id, got {type(data).__name__}"
-    )
-
-
-def _detect_schema(rows: list[tuple[str | None, str, Any]], path: Path) -> str:
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    first = rows[0][2]
-    if not isinstance(first, dict):
-        raise ValueError(f"{path}: rows must be JSON objects, got {type(first).__name__}")
-    for schema, columns in SCHEMAS.items():
-        if all(column in first for column in columns):
-            return schema
-    described = "; ".join(f"{name}: {', '.join(columns)}" for name, columns in SCHEMAS.items())
-    raise ValueError(
-        f"{path}: unrecognised math columns {', '.join(sorted(map(str, first))) or '(none)'}; "
-        f"each schema needs these columns: {described}"
-    )
 
 
 def _images(cells: Any, root: Path, where: str) -> tuple:

@@ -34,17 +34,18 @@ CLEVR counting (``clevr_cogen_a_train``).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
 from tasks._common import (
+    detect_schema,
     extract_tag,
     has_think_answer_format,
     image_from_cell,
     normalise_answer,
+    read_rows,
     require_keys,
 )
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
@@ -279,8 +280,9 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
         )
     if not path.is_file():
         raise FileNotFoundError(f"vqa source file not found: {path}")
-    rows, keyed = _read_rows(path, suffix)
-    schema = _detect_schema(rows, path)
+    rows = read_rows(path)
+    keyed = bool(rows) and rows[0][0] is not None  # a JSON dict of rows keyed by id
+    schema = detect_schema(rows, path, SCHEMAS, NAME)
     if schema == "scienceqa" and keyed:
         rows = _scienceqa_split(rows, split, path)
     loader = {
@@ -304,54 +306,6 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
             f"{path}: no MathVista rows with question_type 'multi_choice'; free-form rows belong to the math task"
         )
     return samples
-
-
-def _read_rows(path: Path, suffix: str) -> tuple[list[tuple[str | None, str, Any]], bool]:
-    """``([(key or None, where, row)], keyed)`` from JSONL lines, a JSON list, a JSON dict keyed by id, or
-    parquet; ``where`` names the row in error messages (``file:line`` for JSONL)."""
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path).to_pylist()
-        return [(None, f"{path}: row {index}", row) for index, row in enumerate(table)], False
-    if suffix == ".jsonl":
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append((None, f"{path}:{line_number}", json.loads(line)))
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{line_number}: not JSON: {error}") from None
-        return rows, False
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not JSON: {error}") from None
-    if isinstance(data, list):
-        return [(None, f"{path}: row {index}", row) for index, row in enumerate(data)], False
-    if isinstance(data, dict) and data and all(isinstance(row, dict) for row in data.values()):
-        return [(str(key), f"{path}: {key!r}", row) for key, row in data.items()], True
-    raise ValueError(
-        f"{path}: a vqa JSON file is a list of rows or a dict of rows keyed by id, got {type(data).__name__}"
-    )
-
-
-def _detect_schema(rows: list[tuple[str | None, str, Any]], path: Path) -> str:
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    first = rows[0][2]
-    if not isinstance(first, dict):
-        raise ValueError(f"{path}: rows must be JSON objects, got {type(first).__name__}")
-    for schema, columns in SCHEMAS.items():
-        if all(column in first for column in columns):
-            return schema
-    described = "; ".join(f"{name}: {', '.join(columns)}" for name, columns in SCHEMAS.items())
-    raise ValueError(
-        f"{path}: unrecognised vqa columns {', '.join(sorted(map(str, first))) or '(none)'}; "
-        f"each schema needs these columns: {described}"
-    )
 
 
 def _scienceqa_split(rows: list[tuple[str | None, str, Any]], split: str, path: Path) -> list:
