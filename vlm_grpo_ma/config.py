@@ -49,6 +49,7 @@ class RolloutConfig:
     truncated_thoughts: str = "close"  # close: force "</think>" and score normally; zero: force it, score 0
     thought_stop: str = "</think>"
     answer_stop: str = "</answer>"
+    reward_workers: int = 8  # threads scoring answers (code rewards wait on sandboxed processes)
 
 
 @dataclass
@@ -145,6 +146,7 @@ POSITIVE = (
     "rollout.max_thought_tokens",
     "rollout.max_answer_tokens",
     "rollout.temperature",
+    "rollout.reward_workers",
     "algorithm.num_iterations",
     "train.steps",
     "train.prompts_per_step",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -38,29 +39,45 @@ def check_reward_overrides(tasks: list[Task], overrides: dict[str, float]) -> No
         raise ValueError(f"data.reward_weights names unknown parts {unknown} of task(s) {names}; valid: {sorted(known)}")
 
 
+def _task_reward(task: Task, weights: dict[str, float], completion, sample) -> tuple[dict[str, float], float, Exception | None]:
+    try:
+        parts = dict(task.reward(completion, sample))
+        return parts, weighted_reward(parts, weights), None
+    except Exception as error:  # a reward must never stop training: scored 0 and counted by the caller
+        return {}, 0.0, error
+
+
 def score_rollout(
-    rollout: Rollout, *, weight_overrides: dict[str, float] | None = None, truncated_thoughts: str = "close"
+    rollout: Rollout,
+    *,
+    weight_overrides: dict[str, float] | None = None,
+    truncated_thoughts: str = "close",
+    workers: int = 1,
 ) -> ScoredRollout:
     """Score every answer. A thought that ended the turn scores 0; so does a truncated thought when
-    ``truncated_thoughts == "zero"``."""
+    ``truncated_thoughts == "zero"``. With ``workers > 1`` the task rewards run in that many threads (code
+    rewards wait on sandboxed processes); the result does not depend on it."""
     counters: Counter = Counter()
     flat_rewards: list[float] = []
     flat_parts: list[dict[str, float]] = []
     tree = rollout.tree
+    jobs = []
     for a, completion in enumerate(rollout.completions):
-        b, _, _ = rollout.indices(a)
-        sample = rollout.samples[b]
+        sample = rollout.samples[rollout.indices(a)[0]]
         task = get_task(sample.task)
-        weights = reward_weights_for(task, weight_overrides or {})
+        jobs.append((task, reward_weights_for(task, weight_overrides or {}), completion, sample))
+    if workers > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+            results = list(pool.map(lambda job: _task_reward(*job), jobs))
+    else:
+        results = [_task_reward(*job) for job in jobs]
+    for a, (parts, reward, error) in enumerate(results):
+        task, _, _, sample = jobs[a]
         t = a // rollout.num_answers
-        try:
-            parts = dict(task.reward(completion, sample))
-            reward = weighted_reward(parts, weights)
-        except Exception as error:  # a reward must never stop training: score 0, count, log once per kind
+        if error is not None:
             counters["reward_errors"] += 1
             if counters["reward_errors"] == 1:
                 log.warning("reward of task %s raised %r on sample %s; scored 0", task.name, error, sample.id)
-            parts, reward = {}, 0.0
         if tree.thought_ended_turn[t]:
             reward = 0.0
             counters["answers_after_ended_turn"] += 1

@@ -506,7 +506,10 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                 )
             rollout_seconds = time.perf_counter() - started
             scored = score_rollout(
-                rollout, weight_overrides=cfg.data.reward_weights, truncated_thoughts=cfg.rollout.truncated_thoughts
+                rollout,
+                weight_overrides=cfg.data.reward_weights,
+                truncated_thoughts=cfg.rollout.truncated_thoughts,
+                workers=cfg.rollout.reward_workers,
             )
             counters.update(sum_over_processes(accelerator, scored.counters))
             thought_adv, answer_adv = grpo_ma_advantages(
