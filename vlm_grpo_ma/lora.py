@@ -186,7 +186,8 @@ def save_model(policy, folder: str | Path) -> Path:
             "the LoRA adapter names no base model (the model was not loaded from a folder or hub id); pass"
             " base_model_name_or_path to apply_lora"
         )
-    policy.adapter.save_pretrained(folder)
+    # embeddings are never adapted here; "auto" would look the base model up on the hub to decide
+    policy.adapter.save_pretrained(folder, save_embedding_layers=False)
     return folder
 
 
