@@ -197,6 +197,34 @@ def rollout_metrics(rollout: Rollout, scored: ScoredRollout, thought_adv: torch.
     return metrics
 
 
+def timing_metrics(rollout: Rollout, batch: TrainBatch, step_seconds: float, rollout_seconds: float) -> dict:
+    trained_tokens = float(batch.token_weights.sum())
+    generated_tokens = sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
+    metrics = {
+        "time/step_seconds": step_seconds,
+        "time/rollout_seconds": rollout_seconds,
+        "time/trained_tokens_per_second": trained_tokens / (step_seconds - rollout_seconds),
+        "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
+    }
+    if torch.cuda.is_available():  # a running maximum, in GiB
+        metrics["time/peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return metrics
+
+
+def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: int) -> SamplingSettings:
+    """How step ``step`` samples prompts ``first_prompt ..`` of the step. The randomness is a function of
+    (seed, step, prompt): a resumed run samples the same trees, and so does a run split over processes."""
+    return SamplingSettings(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_thought_tokens=cfg.rollout.max_thought_tokens,
+        max_answer_tokens=cfg.rollout.max_answer_tokens,
+        thought_stop=cfg.rollout.thought_stop,
+        answer_stop=cfg.rollout.answer_stop,
+        generators=prompt_generators(cfg.train.seed * 1_000_003 + step, first_prompt, num_prompts),
+    )
+
+
 def rollout_records(step: int, rollout: Rollout, scored: ScoredRollout, how_many: int) -> list[dict]:
     """A readable dump of the first ``how_many`` prompts of the step: thought, answers and their rewards."""
     records = []
@@ -349,13 +377,12 @@ def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path
     return metrics
 
 
-def train(cfg: Config, *, resume: bool = False) -> dict:
+def make_accelerator(cfg: Config):
+    """accelerate's Accelerator for this run (DDP when launched with several processes). Refuses what the
+    trainer cannot run and a step that does not split into whole prompt groups per process."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, set_seed
+    from accelerate.utils import DistributedDataParallelKwargs
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=cfg.train.mixed_precision,
@@ -369,12 +396,49 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             f"accelerate distributed_type {accelerator.distributed_type.value} is not supported yet; "
             "use data parallelism (configs/accelerate/ddp.yaml) with LoRA or gradient checkpointing to fit memory"
         )
-    num_processes, rank = accelerator.num_processes, accelerator.process_index
-    if cfg.train.prompts_per_step % num_processes:
+    if cfg.train.prompts_per_step % accelerator.num_processes:
         raise ConfigError(
-            f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the {num_processes} "
-            "processes: each process takes an equal share of the step's prompts (whole K x M groups)"
+            f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the "
+            f"{accelerator.num_processes} processes: each process takes an equal share of the step's prompts "
+            "(whole K x M groups)"
         )
+    return accelerator
+
+
+def load_training_policy(cfg: Config, run_dir: Path, resume: bool, device) -> tuple[Policy, Path | None]:
+    """The policy to train: ``model.name_or_path``, or with ``resume`` the newest checkpoint's model (which
+    may be a LoRA adapter over its base); LoRA and frozen parts configured. Returns it and that checkpoint."""
+    last = ckpt.latest_checkpoint(run_dir) if resume else None
+    if resume and last is None:
+        log.info("--resume: no checkpoint in %s, starting from step 0", run_dir)
+    model_path = str(last / "model") if last is not None else cfg.model.name_or_path
+    try:
+        policy = load_policy(
+            model_path,
+            dtype=cfg.model.dtype,
+            attn_implementation=cfg.model.attn_implementation,
+            min_pixels=cfg.model.min_pixels,
+            max_pixels=cfg.model.max_pixels,
+            device=device,
+        )
+    except (FileNotFoundError, ValueError) as error:  # a missing folder, an unsupported model family
+        raise ConfigError(f"model.name_or_path={model_path}: {error}") from error
+    policy.model.train()
+    policy.model.config.use_cache = True
+    if cfg.model.gradient_checkpointing:
+        policy.model.gradient_checkpointing_enable()
+    configure_trainable(policy, cfg)
+    return policy, last
+
+
+def train(cfg: Config, *, resume: bool = False) -> dict:
+    from accelerate.utils import set_seed
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    accelerator = make_accelerator(cfg)
+    num_processes, rank = accelerator.num_processes, accelerator.process_index
     prompts_per_process = cfg.train.prompts_per_step // num_processes
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
@@ -385,31 +449,9 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     eval_sets = load_eval_sets(cfg, tasks)
 
     # --- model, reference, optimiser ----------------------------------------------------------------------
-    model_path = cfg.model.name_or_path
-    start_step, history_state = 0, None
-    last = ckpt.latest_checkpoint(run_dir) if resume else None
-    if resume and last is None:
-        log.info("--resume: no checkpoint in %s, starting from step 0", run_dir)
-    if last is not None:
-        model_path = str(last / "model")
-        history_state = ckpt.load_training_state(last)
-        start_step = history_state["step"]
-    try:
-        policy = load_policy(
-            model_path,
-            dtype=cfg.model.dtype,
-            attn_implementation=cfg.model.attn_implementation,
-            min_pixels=cfg.model.min_pixels,
-            max_pixels=cfg.model.max_pixels,
-            device=accelerator.device,
-        )
-    except (FileNotFoundError, ValueError) as error:  # a missing folder, an unsupported model family
-        raise ConfigError(f"model.name_or_path={model_path}: {error}") from error
-    policy.model.train()
-    policy.model.config.use_cache = True
-    if cfg.model.gradient_checkpointing:
-        policy.model.gradient_checkpointing_enable()
-    configure_trainable(policy, cfg)
+    policy, last = load_training_policy(cfg, run_dir, resume, accelerator.device)
+    history_state = ckpt.load_training_state(last) if last is not None else None
+    start_step = history_state["step"] if history_state is not None else 0
     reference = make_reference(policy, cfg, accelerator.device)
     optimizer = torch.optim.AdamW(
         lora.trainable_parameters(policy.model),
@@ -483,17 +525,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             first_prompt = rank * prompts_per_process
             samples = samples[first_prompt : first_prompt + prompts_per_process]
             prompts = prompts[first_prompt : first_prompt + prompts_per_process]
-            settings = SamplingSettings(
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                max_thought_tokens=cfg.rollout.max_thought_tokens,
-                max_answer_tokens=cfg.rollout.max_answer_tokens,
-                thought_stop=cfg.rollout.thought_stop,
-                answer_stop=cfg.rollout.answer_stop,
-                # sampling randomness is a function of (seed, step, prompt): a resumed run samples the same
-                # trees, and so does a run split over several processes
-                generators=prompt_generators(cfg.train.seed * 1_000_003 + step, first_prompt, len(samples)),
-            )
+            settings = sampling_settings(cfg, step, first_prompt, len(samples))
             policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
             with accelerator.autocast():  # bf16 compute when train.mixed_precision=bf16 (weights may be fp32)
                 rollout = generate_rollout(
@@ -527,19 +559,12 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
             guard.weights_changed = False
             completed = {"data": stream.state_dict(), "counters": dict(counters)}
 
-            seconds = time.perf_counter() - started
             metrics = rollout_metrics(rollout, scored, thought_adv, tasks)
             metrics.update(update)
-            trained_tokens = float(batch.token_weights.sum())
-            generated_tokens = sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
+            metrics.update(timing_metrics(rollout, batch, time.perf_counter() - started, rollout_seconds))
             metrics.update(
                 {
-                    "time/step_seconds": seconds,
-                    "time/rollout_seconds": rollout_seconds,
-                    "time/trained_tokens_per_second": trained_tokens / (seconds - rollout_seconds),
-                    "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
                     "train/learning_rate": scheduler.get_last_lr()[0],
-                    **({"time/peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {}),
                     "data/epoch": stream.epoch,
                     **{f"count/{k}": v for k, v in counters.items()},
                 }
