@@ -209,3 +209,16 @@ def test_cli_compares_the_embedded_model_and_a_trained_checkpoint(untrained_tiny
 def test_cli_errors_name_the_bad_value(args, message, tmp_path, capsys):
     assert ev.main([*args, "--output-dir", str(tmp_path / "e"), "--no-progress"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_resumed_sampled_evaluation_samples_what_a_straight_one_samples(tiny_policy, tmp_path):
+    task = get_task("grounding")
+    samples = task.load("test")[:4]
+    settings = ev.EvalSettings(samples=2, temperature=1.0, max_thought_tokens=6, max_answer_tokens=6)
+    _, straight = ev.evaluate_task(tiny_policy, task, samples, settings, batch_size=3, progress=False)
+    path = tmp_path / "samples.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in straight[:4]))  # the first two samples done
+    _, resumed = ev.evaluate_task(tiny_policy, task, samples, settings, batch_size=3, records_path=path, progress=False)
+    assert [(r["id"], r["sample_index"], r["thought"], r["answer"]) for r in resumed] == [
+        (r["id"], r["sample_index"], r["thought"], r["answer"]) for r in straight
+    ]

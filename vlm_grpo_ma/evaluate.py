@@ -39,7 +39,8 @@ from vlm_grpo_ma.policy import (
     open_image,
     prompt_generators,
 )
-from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules, weighted_reward
+from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules
+from vlm_grpo_ma.rewards import task_reward
 from vlm_grpo_ma.rollout import generate_rollout
 from vlm_grpo_ma.tiny import TINY_MODEL_NAME
 
@@ -117,27 +118,33 @@ def summarize_records(task: Task, records: Sequence[dict], samples_per_prompt: i
 
 def _score(task: Task, completion, sample: Sample) -> tuple[dict[str, float], object, str | None]:
     """(reward parts, parsed prediction, error kind) for one answer; a raising reward or parser scores 0."""
-    try:
-        parts = dict(task.reward(completion, sample))
-        parts.setdefault("reward", weighted_reward(parts, task.reward_weights))
-    except Exception as error:  # noqa: BLE001 - any reward failure is a zero score, recorded, never fatal
+    parts, reward, error = task_reward(task, task.reward_weights, completion, sample)
+    if error is not None:
         log.warning("reward of task %s raised %r on sample %s; scored 0", task.name, error, sample.id)
         return {"reward": 0.0}, None, "reward"
+    parts["reward"] = reward
     try:
         prediction = task.parse(completion, sample) if task.parse is not None else None
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:  # noqa: BLE001 - a dump field is never worth a crash
         log.warning("parse of task %s raised %r on sample %s", task.name, error, sample.id)
         prediction = None
     return parts, prediction, None
 
 
 def generate_records(
-    policy: Policy, task: Task, samples: Sequence[Sample], settings: EvalSettings, *, batch_size: int
+    policy: Policy,
+    task: Task,
+    samples: Sequence[Sample],
+    settings: EvalSettings,
+    *,
+    batch_size: int,
+    positions: dict[str, int] | None = None,
 ) -> Iterable[list[dict]]:
     """Per batch of prompts, one record per answer: {id, sample_index, thought, answer, prediction, parts,
     thought_tokens, answer_tokens, error}. A sample whose image cannot be read gets records with reward 0
-    and ``error: "image"`` (counted in the ``errors`` metric), never an exception."""
-    position = {sample.id: i for i, sample in enumerate(samples)}
+    and ``error: "image"`` (counted in the ``errors`` metric), never an exception. ``positions`` (sample id
+    -> its index in the whole benchmark; default: in ``samples``) seeds each sample's sampling generator."""
+    position = positions if positions is not None else {sample.id: i for i, sample in enumerate(samples)}
     was_training = policy.model.training
     policy.model.eval()
     try:
@@ -213,7 +220,8 @@ def evaluate_task(
     bar = tqdm(total=len(samples), initial=len(samples) - len(todo), desc=description or task.name, disable=not progress)
     sink = open(records_path, "a", encoding="utf-8") if records_path is not None else None  # noqa: SIM115
     try:
-        for batch in generate_records(policy, task, todo, settings, batch_size=batch_size):
+        positions = {sample.id: i for i, sample in enumerate(samples)}  # a resumed sample samples as before
+        for batch in generate_records(policy, task, todo, settings, batch_size=batch_size, positions=positions):
             records += batch
             if sink is not None:
                 sink.writelines(json.dumps(r) + "\n" for r in batch)

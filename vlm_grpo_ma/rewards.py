@@ -39,7 +39,8 @@ def check_reward_overrides(tasks: list[Task], overrides: dict[str, float]) -> No
         raise ValueError(f"data.reward_weights names unknown parts {unknown} of task(s) {names}; valid: {sorted(known)}")
 
 
-def _task_reward(task: Task, weights: dict[str, float], completion, sample) -> tuple[dict[str, float], float, Exception | None]:
+def task_reward(task: Task, weights: dict[str, float], completion, sample) -> tuple[dict[str, float], float, Exception | None]:
+    """(parts, weighted reward, None), or ({}, 0.0, the error) when the task's reward raised."""
     try:
         parts = dict(task.reward(completion, sample))
         return parts, weighted_reward(parts, weights), None
@@ -68,9 +69,9 @@ def score_rollout(
         jobs.append((task, reward_weights_for(task, weight_overrides or {}), completion, sample))
     if workers > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-            results = list(pool.map(lambda job: _task_reward(*job), jobs))
+            results = list(pool.map(lambda job: task_reward(*job), jobs))
     else:
-        results = [_task_reward(*job) for job in jobs]
+        results = [task_reward(*job) for job in jobs]
     for a, (parts, reward, error) in enumerate(results):
         task, _, _, sample = jobs[a]
         t = a // rollout.num_answers
