@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
-from vlm_grpo_ma.config import load_config
+from vlm_grpo_ma.config import ConfigError, load_config
 
 LENGTH_TASK = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")
 
@@ -270,3 +270,17 @@ def test_a_crash_after_the_weights_moved_does_not_checkpoint_a_half_step(untrain
 def test_overrides_may_sit_between_options(tmp_path, capsys):
     code = train_module.main(["--task", "grounding", "train.steps=0", "--output-dir", str(tmp_path / "r"), "logging.log_every=1"])
     assert code == 2 and "train.steps=0 must be > 0" in capsys.readouterr().err  # parsed, then validated
+
+
+@pytest.mark.parametrize("distributed_type", ["FSDP", "DEEPSPEED"])
+def test_sharded_engines_are_refused_at_start(distributed_type, monkeypatch):
+    import accelerate
+
+    class ShardedAccelerator:  # stands in for accelerate's launcher state only; the trainer's check is real
+        def __init__(self, **kwargs):
+            self.distributed_type = accelerate.utils.DistributedType(distributed_type)
+            self.num_processes = 2
+
+    monkeypatch.setattr(accelerate, "Accelerator", ShardedAccelerator)
+    with pytest.raises(ConfigError, match=f"distributed_type {distributed_type} is not supported yet"):
+        train_module.make_accelerator(load_config(None, []))
