@@ -1,6 +1,7 @@
 """The code task: program extraction, reward tables, loaders, the embedded data, and the sandbox against
 hostile programs (each must be contained, score 0 with its reason counted, and leave nothing behind)."""
 
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -377,8 +378,11 @@ def test_fork_bomb_without_the_hook_meets_the_process_limit():
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_memory_bomb_is_stopped(isolation):
+    # a generous wall clock: filling 256 MB can take seconds on a loaded machine, and the point here is
+    # that the memory limit, not the clock, ends the program
+    roomy = dataclasses.replace(HOSTILE, wall_s=20.0, cpu_s=10)
     for program in ("x = bytearray(10 ** 10)", "xs = []\nwhile True:\n    xs.append(bytearray(10 ** 7))"):
-        result = _hostile(program, isolation)
+        result = _hostile(program, isolation, roomy)
         assert (result.status, result.passed) == ("memory", 0), program
 
 
