@@ -307,6 +307,21 @@ def draw_marks(
 # ---------------------------------------------------------------------------------------------- loading
 
 
+def checked_source_file(source: str, task: str, suffixes: Sequence[str]) -> Path:
+    """``source`` as a Path, after checking that its suffix is one the task reads (ValueError naming the
+    valid ones) and that the file exists (FileNotFoundError)."""
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if suffix not in suffixes:
+        raise ValueError(
+            f"unknown {task} source format {suffix or '(no suffix)'!r} for {source!r}; "
+            f"valid suffixes: {', '.join(suffixes)}"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"{task} source file not found: {path}")
+    return path
+
+
 def require_keys(row: dict, keys: Sequence[str], where: str) -> None:
     """Raise ValueError naming ``where``, the missing keys and all required keys."""
     missing = [k for k in keys if k not in row]

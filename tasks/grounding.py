@@ -29,6 +29,7 @@ from PIL import Image
 from tasks._common import (
     PREDICTION_COLOUR,
     TRUTH_COLOUR,
+    checked_source_file,
     clip_box,
     draw_marks,
     extract_tag,
@@ -143,15 +144,8 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
                 f"embedded grounding split missing: {path}; run `python data/make_grounding.py`"
             )
         return _load_project_jsonl(path, image_root)
-    path = Path(source)
+    path = checked_source_file(source, NAME, SOURCE_SUFFIXES)
     suffix = path.suffix.lower()
-    if suffix not in SOURCE_SUFFIXES:
-        raise ValueError(
-            f"unknown grounding source format {suffix or '(no suffix)'!r} for {source!r}; "
-            f"valid suffixes: {', '.join(SOURCE_SUFFIXES)}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"grounding source file not found: {path}")
     if suffix == ".jsonl":
         return _load_project_jsonl(path, image_root)
     if suffix == ".parquet":

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks._common import (
+    checked_source_file,
     detect_schema,
     extract_tag,
     has_think_answer_format,
@@ -527,15 +528,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
         if not path.is_file():
             raise FileNotFoundError(f"embedded math split missing: {path}; run `python data/make_math.py`")
     else:
-        path = Path(source)
-    suffix = path.suffix.lower()
-    if suffix not in SOURCE_SUFFIXES:
-        raise ValueError(
-            f"unknown math source format {suffix or '(no suffix)'!r} for {source!r}; "
-            f"valid suffixes: {', '.join(SOURCE_SUFFIXES)}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"math source file not found: {path}")
+        path = checked_source_file(source, NAME, SOURCE_SUFFIXES)
     rows = read_rows(path)
     schema = detect_schema(rows, path, SCHEMAS, NAME)
     loader = {

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks._common import (
+    checked_source_file,
     detect_schema,
     extract_tag,
     has_think_answer_format,
@@ -271,15 +272,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
                 f"unknown vqa split {split!r}; embedded (easy-vqa) splits: {', '.join(EMBEDDED_SPLITS)}"
             )
         return _load_easy_vqa(split)
-    path = Path(source)
-    suffix = path.suffix.lower()
-    if suffix not in SOURCE_SUFFIXES:
-        raise ValueError(
-            f"unknown vqa source format {suffix or '(no suffix)'!r} for {source!r}; "
-            f"valid suffixes: {', '.join(SOURCE_SUFFIXES)}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"vqa source file not found: {path}")
+    path = checked_source_file(source, NAME, SOURCE_SUFFIXES)
     rows = read_rows(path)
     keyed = bool(rows) and rows[0][0] is not None  # a JSON dict of rows keyed by id
     schema = detect_schema(rows, path, SCHEMAS, NAME)
