@@ -363,11 +363,12 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
             raise FileNotFoundError(
                 f"embedded affordance split missing: {path}; run `python data/make_affordance.py`"
             )
-        return _load_project_jsonl(path, image_root)
+        return _load_project_jsonl(path, _read_jsonl(path), image_root)
     path = Path(source)
     if path.is_dir():
         if (path / WHERE2PLACE_QUESTIONS).is_file():
-            return _load_where2place(path / WHERE2PLACE_QUESTIONS, image_root)
+            questions = path / WHERE2PLACE_QUESTIONS
+            return _load_where2place(questions, _read_jsonl(questions), image_root)
         if (path / "final_dataset").is_dir():
             if split not in ROBOREFIT_SPLITS:
                 raise ValueError(
@@ -391,13 +392,16 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
         raise FileNotFoundError(f"affordance source file not found: {path}")
     if suffix == ".json":
         return _load_roborefit(path, _read_json_list(path), image_root)
-    first = _first_jsonl_row(path)
+    rows = _read_jsonl(path)  # read once: the first row picks the format
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    first = rows[0]
     if all(k in first for k in PROJECT_KEYS):
-        return _load_project_jsonl(path, image_root)
+        return _load_project_jsonl(path, rows, image_root)
     if all(k in first for k in WHERE2PLACE_KEYS):
-        return _load_where2place(path, image_root)
+        return _load_where2place(path, rows, image_root)
     if all(k in first for k in ROBOREFIT_KEYS):
-        return _load_roborefit(path, _read_jsonl(path), image_root)
+        return _load_roborefit(path, rows, image_root)
     raise ValueError(
         f"{path}: first row has keys {sorted(first)}, which match no affordance format; required: "
         f"project {', '.join(PROJECT_KEYS)} | Where2Place {', '.join(WHERE2PLACE_KEYS)} | "
@@ -421,13 +425,6 @@ def _read_jsonl(path: Path) -> list[dict]:
                 )
             rows.append(row)
     return rows
-
-
-def _first_jsonl_row(path: Path) -> dict:
-    rows = _read_jsonl(path)
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    return rows[0]
 
 
 def _read_json_list(path: Path) -> list[dict]:
@@ -466,7 +463,7 @@ def _target(mask: str | None, box: Any, where: str) -> AffordanceTarget:
         raise ValueError(f"{where}: {error}") from None
 
 
-def _load_project_jsonl(path: Path, image_root: str | None) -> list[Sample]:
+def _load_project_jsonl(path: Path, rows: list[dict], image_root: str | None) -> list[Sample]:
     """The project's JSONL: one row per sample.
 
     {"id", "image", "question", "mask"?, "box"?, "width"?, "height"?, "point"?, "reference_thought"?, "kind"?}
@@ -478,7 +475,7 @@ def _load_project_jsonl(path: Path, image_root: str | None) -> list[Sample]:
     """
     root = Path(image_root) if image_root is not None else path.parent
     samples = []
-    for line_number, row in enumerate(_read_jsonl(path), start=1):
+    for line_number, row in enumerate(rows, start=1):
         where = f"{path}:{line_number}"
         require_keys(row, PROJECT_KEYS, where)
         if row.get("mask") is None and row.get("box") is None:
@@ -519,7 +516,7 @@ def where2place_question(text: str) -> str:
     return (text[:cut] if cut >= 0 else text).strip()
 
 
-def _load_where2place(path: Path, image_root: str | None) -> list[Sample]:
+def _load_where2place(path: Path, rows: list[dict], image_root: str | None) -> list[Sample]:
     """Where2Place: ``point_questions.jsonl`` rows {question_id, image, text}.
 
     The image is ``images/{image}`` next to the JSONL (or ``{image_root}/{image}``), the target mask
@@ -528,7 +525,7 @@ def _load_where2place(path: Path, image_root: str | None) -> list[Sample]:
     """
     image_dir = Path(image_root) if image_root is not None else path.parent / "images"
     samples = []
-    for line_number, row in enumerate(_read_jsonl(path), start=1):
+    for line_number, row in enumerate(rows, start=1):
         where = f"{path}:{line_number}"
         require_keys(row, WHERE2PLACE_KEYS, where)
         question_id = row["question_id"]
