@@ -72,3 +72,25 @@ def test_first_token_check_can_fail(tiny_policy):
 
     assert (reencoded(tree.thought_ids) - branched).abs().max() <= TOLERANCE
     assert (reencoded([ids[1:] for ids in tree.thought_ids]) - branched).abs().max() > 10 * TOLERANCE
+
+
+def test_the_embedded_model_is_benchmarked_as_the_default_run_loads_it(tmp_path):
+    """``embedded`` times the shipped weights: they stop their thoughts at "</think>" well before the limit,
+    as in the default run, and the two paths still do the same work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        policy = load_bench_policy("embedded", tmp_path)
+        result = bench_rollout(
+            policy, bench_prompts(policy, 2), num_thoughts=K, num_answers=M, repeats=1, warmup=0
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert result["thought_tokens_mean"] < result["max_thought_tokens"]
+    assert result["thoughts_identical"] and result["first_token_max_abs_diff"] <= TOLERANCE
+    assert result["answers_identical_fraction"] == 1.0
+
+
+def test_an_unknown_benchmark_model_names_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="'20m'.*embedded, tiny, 10m"):
+        load_bench_policy("20m", tmp_path)

@@ -12,9 +12,11 @@ The K x M rollout is timed two ways, side by side in one process, repeats interl
     answer side; (b) samples from a generator in the same state as (a)'s, so answer lengths match too.
 
 Both paths stop on the same rules and the same token limits; the mean number of generated answer tokens of
-each is reported so a reader can see the work was the same. The models are built untrained (random
-weights): timing does not depend on the weights, and an untrained model writes to the token limits, the
-same worst case on both paths. The re-encode baseline is checked against (a): the log-prob of (a)'s first
+each is reported so a reader can see the work was the same. Models: ``embedded`` is the shipped warm-started
+model as the default run loads it (``model.name_or_path: tiny``, its own input size): its thoughts and answers
+stop where the trained policy stops them, so it times the default run's real rollout. ``tiny`` and ``10m``
+are built untrained (random weights) at the embedded 168 px: an untrained model rarely writes a stop text,
+so it decodes to the token limits, the worst case for the thought stage, which both paths share. The re-encode baseline is checked against (a): the log-prob of (a)'s first
 answer token under (b)'s prefill must equal (a)'s sampling log-prob (``first_token_max_abs_diff``).
 """
 
@@ -35,6 +37,7 @@ import torch
 from PIL import Image
 
 import vlm_grpo_ma.policy as policy_module
+from vlm_grpo_ma.config import RolloutConfig
 from vlm_grpo_ma.policy import (
     EncodedPrompt,
     Policy,
@@ -52,22 +55,24 @@ from vlm_grpo_ma.policy import (
     sample_tree,
 )
 from vlm_grpo_ma.registry import get_task
+from vlm_grpo_ma.tiny import SIZES, TINY_MODEL_NAME, build_untrained
 
-MODEL_SIZES = ("tiny", "10m")
+EMBEDDED = "embedded"  # the shipped warm-started model
+BENCH_MODELS = (EMBEDDED, *SIZES)  # then untrained models of each size of vlm_grpo_ma.tiny
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Setup
 
 
-def load_bench_policy(size: str, workdir: Path, *, image_size: int | None = None) -> Policy:
-    """An untrained model of ``vlm_grpo_ma.tiny`` size ``size``, saved to ``workdir`` and loaded as the
-    trainer loads it. With ``image_size`` the processor's pixel budget is raised so that a
-    ``image_size`` x ``image_size`` image is not shrunk back to the embedded 168 px."""
-    from vlm_grpo_ma.tiny import build_untrained
-
-    path = build_untrained(Path(workdir) / size, size=size)
-    policy = load_policy(str(path), dtype="float32", attn_implementation="sdpa")
+def load_bench_policy(name: str, workdir: Path, *, image_size: int | None = None) -> Policy:
+    """``embedded``: the shipped model, loaded as the default run loads it. A size of ``vlm_grpo_ma.tiny``: an
+    untrained model of that size, saved to ``workdir`` and loaded as the trainer loads it. With ``image_size``
+    the processor's pixel budget is raised so that a ``image_size`` x ``image_size`` image is not shrunk."""
+    if name not in BENCH_MODELS:
+        raise ValueError(f"unknown benchmark model {name!r}; choose from: {', '.join(BENCH_MODELS)}")
+    path = TINY_MODEL_NAME if name == EMBEDDED else str(build_untrained(Path(workdir) / name, size=name))
+    policy = load_policy(path, dtype="float32", attn_implementation="sdpa")
     policy.model.eval()
     if image_size:
         # Set on the image processor, not through load_policy(max_pixels=...): transformers 5.24 warns that
@@ -224,8 +229,8 @@ def bench_rollout(
     *,
     num_thoughts: int = 4,
     num_answers: int = 4,
-    max_thought_tokens: int = 48,
-    max_answer_tokens: int = 16,
+    max_thought_tokens: int = RolloutConfig.max_thought_tokens,
+    max_answer_tokens: int = RolloutConfig.max_answer_tokens,
     temperature: float = 1.0,
     repeats: int = 3,
     warmup: int = 1,
@@ -341,23 +346,23 @@ def _load() -> str:
 
 
 def rollout_main(args: argparse.Namespace) -> list[dict]:
-    sizes = [s.strip() for s in args.models.split(",") if s.strip()]
-    unknown = [s for s in sizes if s not in MODEL_SIZES]
+    names = [s.strip() for s in args.models.split(",") if s.strip()]
+    unknown = [s for s in names if s not in BENCH_MODELS]
     if unknown:
-        raise SystemExit(f"unknown model size(s) {unknown}; known: {', '.join(MODEL_SIZES)}")
+        raise SystemExit(f"unknown benchmark model(s) {unknown}; choose from: {', '.join(BENCH_MODELS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
         f"rollout benchmark: B={args.prompts} K={args.thoughts} M={args.answers} thought<={args.thought_tokens} "
-        f"answer<={args.answer_tokens} tok, image {args.image_size or 'embedded 168'} px, repeats={args.repeats} "
-        f"(+{args.warmup} warm-up), seed={args.seed}, torch threads={torch.get_num_threads()}, untrained weights",
+        f"answer<={args.answer_tokens} tok, image {args.image_size or 'as loaded'} px, repeats={args.repeats} "
+        f"(+{args.warmup} warm-up), seed={args.seed}, torch threads={torch.get_num_threads()}",
         flush=True,
     )
     print(f"load average before: {_load()}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="vlm-grpo-ma-bench-") as workdir:
-        for size in sizes:
-            policy = load_bench_policy(size, Path(workdir), image_size=args.image_size)
+        for name in names:
+            policy = load_bench_policy(name, Path(workdir), image_size=args.image_size)
             prompts = bench_prompts(policy, args.prompts, image_size=args.image_size)
             started = time.perf_counter()
             result = bench_rollout(
@@ -371,12 +376,13 @@ def rollout_main(args: argparse.Namespace) -> list[dict]:
                 warmup=args.warmup,
                 seed=args.seed,
             )
-            result["model"] = size
+            result["model"] = name
+            result["weights"] = "warm-started" if name == EMBEDDED else "untrained"
             result["bench_wall_s"] = time.perf_counter() - started
             result["torch_threads"] = torch.get_num_threads()
             result["load_average_after"] = _load()
             print(
-                f"  {size}: {result['params']:,} parameters, prompt {result['prompt_tokens_mean']:.0f} tokens, "
+                f"  {name} ({result['weights']}): {result['params']:,} parameters, prompt {result['prompt_tokens_mean']:.0f} tokens, "
                 f"thought {result['thought_tokens_mean']:.1f} tokens; thought stage "
                 f"{result['branched_thought_s']:.3f} s (a) / {result['reencode_thought_s']:.3f} s (b); "
                 f"first-token log-prob max |a-b| {result['first_token_max_abs_diff']:.1e}; "
@@ -403,17 +409,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     rollout = commands.add_parser("rollout", help="K x M rollout: branched from the KV cache vs re-encoding")
-    rollout.add_argument("--models", default="tiny,10m", help=f"comma-separated sizes of {MODEL_SIZES}")
+    rollout.add_argument(
+        "--models", default=",".join(BENCH_MODELS), help=f"comma-separated, from: {', '.join(BENCH_MODELS)}"
+    )
     rollout.add_argument("--prompts", "-B", type=int, default=4)
     rollout.add_argument("--thoughts", "-K", type=int, default=4)
     rollout.add_argument("--answers", "-M", type=int, default=4)
-    rollout.add_argument("--thought-tokens", type=int, default=48)
-    rollout.add_argument("--answer-tokens", type=int, default=16)
+    defaults = RolloutConfig()  # the token limits of the default run
+    rollout.add_argument("--thought-tokens", type=int, default=defaults.max_thought_tokens)
+    rollout.add_argument("--answer-tokens", type=int, default=defaults.max_answer_tokens)
     rollout.add_argument(
         "--image-size",
         type=int,
         default=None,
-        help="resize scenes to this square side (default: embedded 168)",
+        help="resize scenes to this square side (default: each model's processor decides: 84 px for embedded, 168 for the others)",
     )
     rollout.add_argument("--repeats", type=int, default=3)
     rollout.add_argument("--warmup", type=int, default=1)
