@@ -1,0 +1,94 @@
+"""The warm start's pieces: the per-token targets of the vision phase, the scene stream, one step of each phase."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm_grpo_ma.warmstart import (
+    COLOURS,
+    SHAPES,
+    SceneStream,
+    TokenHeads,
+    freeze_vision,
+    load_scene_generator,
+    supervised_step,
+    target_text,
+    token_targets,
+    vision_step,
+)
+
+
+def test_token_targets_describe_what_covers_each_token():
+    make_grounding = load_scene_generator()
+    # 168 px on a 6 x 6 token grid: cells of 28 px. A blue square filling cell (row 0, col 1) exactly and a
+    # red triangle covering most of cell (row 2, col 2) and a sliver (5%) of the cell to its right.
+    square = make_grounding.SceneObject("square", "blue", "large", (28, 0, 56, 28))
+    triangle = make_grounding.SceneObject("triangle", "red", "small", (58, 58, 85, 84))
+    targets = token_targets([square, triangle], grid_side=6, image_side=168)
+
+    assert targets["covered"].sum() == 2  # the sliver is under the 10% threshold
+    assert targets["covered"][1] and targets["covered"][2 * 6 + 2]
+    assert targets["colour"][1] == COLOURS.index("blue") and targets["shape"][1] == SHAPES.index("square")
+    assert targets["colour"][14] == COLOURS.index("red") and targets["shape"][14] == SHAPES.index("triangle")
+    assert torch.allclose(targets["box"][1], torch.tensor([28, 0, 56, 28]) / 168)
+    assert torch.equal(targets["place"][0], torch.tensor([0.0, 0.0]))
+    assert torch.allclose(targets["place"][2 * 6 + 3], torch.tensor([2 / 5, 3 / 5]))
+    assert torch.equal(targets["box"][0], torch.zeros(4))  # nothing there
+
+
+def test_the_larger_overlap_wins_a_shared_token():
+    make_grounding = load_scene_generator()
+    small = make_grounding.SceneObject("circle", "green", "small", (0, 0, 10, 10))  # 100 px^2 of the cell
+    large = make_grounding.SceneObject("square", "yellow", "large", (12, 0, 50, 28))  # 16 x 28 px of it
+    targets = token_targets([small, large], grid_side=6, image_side=168)
+    assert targets["colour"][0] == COLOURS.index("yellow")
+
+
+def test_scene_stream_is_reproducible_and_scored_by_the_grounding_task():
+    first, again, other = SceneStream(5).take(3), SceneStream(5).take(3), SceneStream(6).take(3)
+    assert [s.sample.question for s in first] == [s.sample.question for s in again]
+    assert [s.sample.answer for s in first] == [s.sample.answer for s in again]
+    assert [s.sample.answer for s in first] != [s.sample.answer for s in other]
+    for scene in first:
+        box = scene.sample.answer
+        assert any(list(obj.box) == box for obj in scene.objects)
+        assert scene.sample.meta["reference_thought"].startswith("the ")
+
+
+@pytest.mark.parametrize("phase", ["vision", "decoder"])
+def test_one_step_of_each_phase_moves_only_what_it_trains(tiny_policy, phase):
+    policy = tiny_policy
+    scenes = SceneStream(7).take(2)
+    before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
+    if phase == "vision":
+        heads = TokenHeads(policy.model.config.vision_config.out_hidden_size)
+        parameters = [*policy.model.model.visual.parameters(), *heads.parameters()]
+        loss = vision_step(policy, heads, scenes)
+    else:
+        from vlm_grpo_ma.registry import get_task
+
+        parameters = freeze_vision(policy)
+        loss = supervised_step(policy, [s.sample for s in scenes], get_task("grounding").instruction)
+    optimizer = torch.optim.SGD(parameters, lr=1e-2)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    moved = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
+    with torch.no_grad():  # put the shared fixture back
+        for name, p in policy.model.named_parameters():
+            p.copy_(before[name])
+    policy.model.requires_grad_(True)
+    vision_moved = {n for n in moved if n.startswith("model.visual.")}
+    assert torch.isfinite(loss)
+    if phase == "vision":
+        assert vision_moved and moved == vision_moved
+    else:
+        assert moved and not vision_moved
+
+
+def test_target_text_writes_the_box_in_the_models_frame(tiny_policy):
+    sample = SceneStream(8).take(1)[0].sample
+    text = target_text(tiny_policy, sample, input_size=(84, 84), original_size=(168, 168))
+    x1, y1, x2, y2 = (round(v / 2) for v in sample.answer)  # Qwen2.5-VL: pixels of the 84 px input
+    assert text == f"<think>{sample.meta['reference_thought']}</think><answer>[{x1},{y1},{x2},{y2}]</answer>"
