@@ -29,6 +29,7 @@ def _cfg(model_dir, out_dir, *extra):
             "rollout.max_answer_tokens=6",
             "logging.progress_bar=false",
             "logging.tensorboard=false",
+            "train.eval_every=0",
             *extra,
         ],
     )
@@ -170,12 +171,16 @@ def test_held_out_evaluation_every_n_steps_uses_the_evaluate_code(untrained_tiny
     summary = train_module.train(cfg)
     run = tmp_path / "run"
     records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
-    assert [s for s, r in records.items() if "eval/grounding/iou" in r] == [2, 3]  # every 2 steps and at the end
-    assert records[2]["eval/grounding/prompts"] == 2
+    # before the first step, every 2 steps and at the end
+    assert [s for s, r in records.items() if "eval/grounding/iou" in r] == [0, 2, 3]
+    assert "reward/mean" not in records[0] and records[2]["eval/grounding/prompts"] == 2
     lines = (run / "eval" / "step-000002" / "grounding.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == ["test_00000", "test_00001"]
     assert summary["eval"]["eval/grounding/accuracy"]["step"] == 3
-    assert "eval/grounding/iou" in capsys.readouterr().out
+    assert summary["eval"]["eval/grounding/accuracy"]["first_step"] == 0
+    assert summary["steps"] == 3  # the step-0 evaluation is not a training step of the fifths
+    out = capsys.readouterr().out
+    assert "eval/grounding/iou" in out and "step 0:" in out
 
 
 def test_evaluation_data_errors_name_the_task(untrained_tiny_dir, tmp_path):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlm_grpo_ma.lora import freeze_vision, trainable_parameters
 from vlm_grpo_ma.warmstart import (
     COLOURS,
     SHAPES,
     SceneStream,
     TokenHeads,
-    freeze_vision,
     load_scene_generator,
     supervised_step,
     target_text,
@@ -68,7 +68,8 @@ def test_one_step_of_each_phase_moves_only_what_it_trains(tiny_policy, phase):
     else:
         from vlm_grpo_ma.registry import get_task
 
-        parameters = freeze_vision(policy)
+        freeze_vision(policy.model)
+        parameters = trainable_parameters(policy.model)
         loss = supervised_step(policy, [s.sample for s in scenes], get_task("grounding").instruction)
     optimizer = torch.optim.SGD(parameters, lr=1e-2)
     optimizer.zero_grad()

@@ -23,7 +23,9 @@ class RunLogger:
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress_bar, unit="step", dynamic_ncols=True)
 
-    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+    def log_step(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
+        """One metrics record (and TensorBoard scalars); ``advance=False`` for a record that is not a
+        training step (the held-out evaluation before the first step) leaves the progress bar alone."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         self.metrics_file.write(json.dumps({"step": step, **clean}) + "\n")
         self.metrics_file.flush()
@@ -31,6 +33,8 @@ class RunLogger:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(key, value, step)
+        if not advance:
+            return
         postfix = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}"}
         if "reward/iou" in metrics:
             postfix["iou"] = f"{metrics['reward/iou']:.3f}"
@@ -78,6 +82,8 @@ def _std(values: list[float]) -> float:
 def summarize(records: list[dict], keys: tuple[str, ...] = ("reward/mean", "reward/iou")) -> dict:
     """Mean of each key over the first and the last fifth of the steps, their difference, and the
     step-to-step noise (standard deviation of the per-step values within the last fifth) to compare it with."""
+    evaluated = [r for r in records if any(k.startswith("eval/") for k in r)]
+    records = [r for r in records if r.get("step", 0) >= 1]  # step 0: the evaluation before training
     fifth = max(1, len(records) // 5)
     first, last = records[:fifth], records[-fifth:]
     summary: dict = {"steps": len(records), "steps_per_fifth": fifth}
@@ -92,7 +98,6 @@ def summarize(records: list[dict], keys: tuple[str, ...] = ("reward/mean", "rewa
             "gain": b - a,
             "step_noise_std": _std([r.get(key) for r in last]),
         }
-    evaluated = [r for r in records if any(k.startswith("eval/") for k in r)]
     if evaluated:
         first_eval, last_eval = evaluated[0], evaluated[-1]
         summary["eval"] = {

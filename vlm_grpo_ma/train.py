@@ -513,6 +513,12 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
                 keep=cfg.train.keep_checkpoints,
             )
 
+    if eval_sets and start_step == 0 and accelerator.is_main_process:
+        # the start of the held-out curve: greedy on the same samples as every later evaluation
+        policy.model.eval()
+        with accelerator.autocast():
+            logger.log_step(0, evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / "step-000000"), advance=False)
+
     # --- the loop -----------------------------------------------------------------------------------------
     step = start_step
     completed = {"data": stream.state_dict(), "counters": dict(counters)}

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from vlm_grpo_ma.coords import from_original_pixels
+from vlm_grpo_ma.lora import freeze_vision, trainable_parameters, vision_tower
 from vlm_grpo_ma.policy import Policy, encode_prompt, load_policy, sequence_logprobs
 from vlm_grpo_ma.registry import Sample, get_task
 from vlm_grpo_ma.tiny import TINY_MODEL_DIR, build_untrained
@@ -174,13 +175,6 @@ def vision_step(policy: Policy, heads: TokenHeads, scenes: list[Scene]) -> torch
 # Phase 2: the decoder
 
 
-def freeze_vision(policy: Policy) -> list[torch.nn.Parameter]:
-    """Freeze the vision tower and merger (eval mode); return the parameters the decoder phase trains."""
-    policy.model.model.visual.requires_grad_(False)
-    policy.model.model.visual.eval()
-    return [p for p in policy.model.parameters() if p.requires_grad]
-
-
 def target_text(policy: Policy, sample: Sample, input_size, original_size) -> str:
     box = from_original_pixels(sample.answer, policy.frame, input_size, original_size)
     coords = ",".join(str(round(v)) for v in box)
@@ -264,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     policy = load_policy(str(init_dir), attn_implementation="sdpa")
     policy.model.train()
-    visual = policy.model.model.visual
+    visual = vision_tower(policy.model)
 
     if args.vision_steps:
         heads = TokenHeads(policy.model.config.vision_config.out_hidden_size)
@@ -276,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
             lambda: vision_step(policy, heads, stream.take(args.batch_size)),
             label="vision",
         )
-    decoder_parameters = freeze_vision(policy)
+    freeze_vision(policy.model)
+    decoder_parameters = trainable_parameters(policy.model)
 
     task = get_task("grounding")
     stream = SceneStream(DECODER_SEED)
