@@ -39,6 +39,7 @@ def run_overrides(model_dir: Path, steps: int) -> list[str]:
         "rollout.max_answer_tokens=6",
         "logging.progress_bar=false",
         "logging.tensorboard=false",
+        "train.eval_every=0",
         "data.task=answer_length",
         f"data.task_modules=[{TASK_MODULE}]",
     ]

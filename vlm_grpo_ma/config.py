@@ -29,7 +29,10 @@ class ModelConfig:
     min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
     max_pixels: int | None = None
     gradient_checkpointing: bool = False
-    freeze_vision: bool = False  # keep the vision tower (and its merger) fixed; train the language model only
+    # keep the vision tower (and its merger) fixed; train the language model only. On for the embedded model,
+    # whose tower was trained by its own objective in the warm start (RL updates through it, four prompts a
+    # step, made the policy collapse within 200 steps); full fine-tuning presets set it false.
+    freeze_vision: bool = True
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of all weights
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
@@ -82,7 +85,7 @@ class TrainConfig:
     steps: int = 250
     prompts_per_step: int = 4  # B; rows per step = B * K * M
     micro_batch_rows: int = 32  # answer rows per forward/backward
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -95,8 +98,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     mixed_precision: str = "no"  # "bf16": autocast through accelerate (GPU); weights stay in model.dtype
-    eval_every: int = 0  # greedy evaluation on data.eval_split every N steps (0 = never)
-    eval_samples: int = 50  # held-out samples per task in each evaluation
+    eval_every: int = 125  # greedy evaluation on data.eval_split before step 1 and every N steps (0 = never)
+    eval_samples: int = 100  # held-out samples per task in each evaluation
 
 
 @dataclass
