@@ -14,6 +14,9 @@ def test_summary_compares_first_and_last_fifth():
     assert summary["reward/mean"]["last_fifth"] == 9.5
     assert summary["reward/mean"]["gain"] == 8.0
     assert summary["reward/mean"]["step_noise_std"] == pytest.approx(0.5**0.5, abs=1e-12)
+    # first fifth {1, 2}, last {9, 10}: each has variance 1/2 over 2 steps -> sqrt(1/4 + 1/4)
+    assert summary["reward/mean"]["gain_standard_error"] == pytest.approx(0.5**0.5, abs=1e-12)
+    assert summary["reward/iou"]["gain_standard_error"] == 0.0
     assert summary["reward/iou"]["gain"] == 0.0
     assert "first fifth 1.5000" in format_summary(summary)
 

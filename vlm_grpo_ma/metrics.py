@@ -80,8 +80,9 @@ def _std(values: list[float]) -> float:
 
 
 def summarize(records: list[dict], keys: tuple[str, ...] = ("reward/mean", "reward/iou")) -> dict:
-    """Mean of each key over the first and the last fifth of the steps, their difference, and the
-    step-to-step noise (standard deviation of the per-step values within the last fifth) to compare it with."""
+    """Mean of each key over the first and the last fifth of the steps, their difference, the step-to-step
+    noise (standard deviation of the per-step values within the last fifth) and the standard error of the
+    difference of the two means (per-step values taken as independent)."""
     evaluated = [r for r in records if any(k.startswith("eval/") for k in r)]
     records = [r for r in records if r.get("step", 0) >= 1]  # step 0: the evaluation before training
     fifth = max(1, len(records) // 5)
@@ -92,11 +93,16 @@ def summarize(records: list[dict], keys: tuple[str, ...] = ("reward/mean", "rewa
             continue
         a = _mean([r.get(key) for r in first])
         b = _mean([r.get(key) for r in last])
+        first_values = [r.get(key) for r in first if r.get(key) is not None]
+        last_values = [r.get(key) for r in last if r.get(key) is not None]
         summary[key] = {
             "first_fifth": a,
             "last_fifth": b,
             "gain": b - a,
-            "step_noise_std": _std([r.get(key) for r in last]),
+            "step_noise_std": _std(last_values),
+            "gain_standard_error": math.sqrt(
+                _std(first_values) ** 2 / max(len(first_values), 1) + _std(last_values) ** 2 / max(len(last_values), 1)
+            ),
         }
     if evaluated:
         first_eval, last_eval = evaluated[0], evaluated[-1]
@@ -114,7 +120,8 @@ def format_summary(summary: dict) -> str:
         if isinstance(value, dict) and "first_fifth" in value:
             lines.append(
                 f"  {key:<14} first fifth {value['first_fifth']:.4f}   last fifth {value['last_fifth']:.4f}"
-                f"   gain {value['gain']:+.4f}   (step-to-step std {value['step_noise_std']:.4f})"
+                f"   gain {value['gain']:+.4f} (standard error {value['gain_standard_error']:.4f})"
+                f"   step-to-step std {value['step_noise_std']:.4f}"
             )
     for key, value in summary.get("eval", {}).items():
         if key.split("/")[-1] in ("prompts", "answers", "errors"):
