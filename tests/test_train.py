@@ -289,3 +289,21 @@ def test_sharded_engines_are_refused_at_start(distributed_type, monkeypatch):
     monkeypatch.setattr(accelerate, "Accelerator", ShardedAccelerator)
     with pytest.raises(ConfigError, match=f"distributed_type {distributed_type} is not supported yet"):
         train_module.make_accelerator(load_config(None, []))
+
+
+def test_a_fresh_run_refuses_a_directory_holding_a_run_unless_told(untrained_tiny_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = ["--task", "grounding", f"model.name_or_path={untrained_tiny_dir}", "--output-dir", str(run), "train.steps=1",
+            "train.prompts_per_step=1", "rollout.num_thoughts=2", "rollout.num_answers=2", "rollout.max_thought_tokens=4",
+            "rollout.max_answer_tokens=4", "train.eval_every=0", "logging.progress_bar=false", "logging.tensorboard=false"]
+    assert train_module.main(args) == 0
+    first = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert train_module.main(args) == 2  # would have appended to the first run's metrics
+    err = capsys.readouterr().err
+    assert f"train.output_dir={run} already holds a run (checkpoints, metrics.jsonl" in err and "--resume" in err
+    assert (run / "metrics.jsonl").read_text() == first
+    assert train_module.main([*args, "--overwrite"]) == 0
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # the new run's step only
+    assert train_module.main([*args, "--overwrite", "--resume"]) == 2
+    assert "give one" in capsys.readouterr().err

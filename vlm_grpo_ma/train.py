@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from collections import Counter
@@ -431,7 +432,33 @@ def load_training_policy(cfg: Config, run_dir: Path, resume: bool, device) -> tu
     return policy, last
 
 
-def train(cfg: Config, *, resume: bool = False) -> dict:
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "rollouts.jsonl", "summary.json", "eval", "tensorboard", "config.yaml")
+
+
+def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool = True) -> None:
+    """A fresh run must not append to another run's metrics or leave its checkpoints behind (the newest would
+    be picked up by --resume and by evaluation): refuse a directory that holds a run, unless ``resume``
+    continues it or ``overwrite`` deletes its outputs first (``delete``: this process is the one that does).
+    Every process checks, so all of them stop on the same error."""
+    if resume:
+        return
+    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"train.output_dir={run_dir} already holds a run ({', '.join(found)}); continue it with --resume, "
+            "start over with --overwrite (deletes those outputs), or choose another --output-dir"
+        )
+    if not delete:  # another process of the same run deletes them
+        return
+    for name in found:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    log.info("--overwrite: deleted %s from %s", ", ".join(found), run_dir)
+
+
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
     from accelerate.utils import set_seed
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -443,6 +470,8 @@ def train(cfg: Config, *, resume: bool = False) -> dict:
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir, resume=resume, overwrite=overwrite, delete=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
 
     # --- tasks and data ---------------------------------------------------------------------------------
     tasks, stream = load_prompt_stream(cfg)
@@ -630,6 +659,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--task", help="task name (same as data.task=NAME)")
     parser.add_argument("--output-dir", help="run directory (same as train.output_dir=DIR)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the run directory")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete the outputs of an earlier run in the run directory first"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
     return parser
 
@@ -654,7 +686,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
     try:
-        train(cfg, resume=args.resume)
+        if args.resume and args.overwrite:
+            raise ConfigError("--resume continues the run in the run directory and --overwrite deletes it; give one")
+        train(cfg, resume=args.resume, overwrite=args.overwrite)
     except ConfigError as error:  # found when loading the data or the model
         print(f"error: {error}", file=sys.stderr)
         return 2
