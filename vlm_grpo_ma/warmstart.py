@@ -16,7 +16,8 @@ model sees tens of thousands of distinct scenes and cannot memorise a few thousa
 It stops well before convergence on purpose: the RL run should start from a policy that follows the format and
 localises roughly, so that GRPO-MA has room to improve it. Every ``--eval-every`` steps it prints greedy
 reward and IoU on held-out generated scenes (a third seed; the committed test split is left for evaluation).
-The committed weights in ``vlm_grpo_ma/assets/tiny-qwen2.5-vl`` were made by this script with its defaults.
+The committed weights in ``vlm_grpo_ma/assets/tiny-qwen2.5-vl`` were made by this script with its defaults and
+``--threads 1`` (about 85 minutes on this project's 2-core CPU machine).
 """
 
 from __future__ import annotations
