@@ -17,7 +17,7 @@ It stops well before convergence on purpose: the RL run should start from a poli
 localises roughly, so that GRPO-MA has room to improve it. Every ``--eval-every`` steps it prints greedy
 reward and IoU on held-out generated scenes (a third seed; the committed test split is left for evaluation).
 The committed weights in ``vlm_grpo_ma/assets/tiny-qwen2.5-vl`` were made by this script with its defaults and
-``--threads 1`` (about 85 minutes on this project's 2-core CPU machine).
+``--threads 1`` (about 90 minutes, sharing the cores, on this project's 2-core CPU machine).
 """
 
 from __future__ import annotations
