@@ -7,11 +7,10 @@ import torch
 
 from vlm_grpo_ma.lora import freeze_vision, trainable_parameters
 from vlm_grpo_ma.warmstart import (
-    COLOURS,
-    SHAPES,
     SceneStream,
     TokenHeads,
     load_scene_generator,
+    scene_vocabulary,
     supervised_step,
     target_text,
     token_targets,
@@ -26,11 +25,12 @@ def test_token_targets_describe_what_covers_each_token():
     square = make_grounding.SceneObject("square", "blue", "large", (28, 0, 56, 28))
     triangle = make_grounding.SceneObject("triangle", "red", "small", (58, 58, 85, 84))
     targets = token_targets([square, triangle], grid_side=6, image_side=168)
+    colours, shapes = scene_vocabulary()
 
     assert targets["covered"].sum() == 2  # the sliver is under the 10% threshold
     assert targets["covered"][1] and targets["covered"][2 * 6 + 2]
-    assert targets["colour"][1] == COLOURS.index("blue") and targets["shape"][1] == SHAPES.index("square")
-    assert targets["colour"][14] == COLOURS.index("red") and targets["shape"][14] == SHAPES.index("triangle")
+    assert targets["colour"][1] == colours.index("blue") and targets["shape"][1] == shapes.index("square")
+    assert targets["colour"][14] == colours.index("red") and targets["shape"][14] == shapes.index("triangle")
     assert torch.allclose(targets["box"][1], torch.tensor([28, 0, 56, 28]) / 168)
     assert torch.equal(targets["place"][0], torch.tensor([0.0, 0.0]))
     assert torch.allclose(targets["place"][2 * 6 + 3], torch.tensor([2 / 5, 3 / 5]))
@@ -42,7 +42,7 @@ def test_the_larger_overlap_wins_a_shared_token():
     small = make_grounding.SceneObject("circle", "green", "small", (0, 0, 10, 10))  # 100 px^2 of the cell
     large = make_grounding.SceneObject("square", "yellow", "large", (12, 0, 50, 28))  # 16 x 28 px of it
     targets = token_targets([small, large], grid_side=6, image_side=168)
-    assert targets["colour"][0] == COLOURS.index("yellow")
+    assert targets["colour"][0] == scene_vocabulary()[0].index("yellow")
 
 
 def test_scene_stream_is_reproducible_and_scored_by_the_grounding_task():

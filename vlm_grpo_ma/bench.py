@@ -16,8 +16,8 @@ each is reported so a reader can see the work was the same. Models: ``embedded``
 model as the default run loads it (``model.name_or_path: tiny``, its own input size): its thoughts and answers
 stop where the trained policy stops them, so it times the default run's real rollout. ``tiny`` and ``10m``
 are built untrained (random weights) at the embedded 168 px: an untrained model rarely writes a stop text,
-so it decodes to the token limits, the worst case for the thought stage, which both paths share. The re-encode baseline is checked against (a): the log-prob of (a)'s first
-answer token under (b)'s prefill must equal (a)'s sampling log-prob (``first_token_max_abs_diff``).
+so it decodes to the token limits, the worst case for the thought stage, which both paths share. The
+re-encode baseline is checked against (a): the log-prob of (a)'s first answer token under (b)'s prefill must equal (a)'s sampling log-prob (``first_token_max_abs_diff``).
 """
 
 from __future__ import annotations
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         "--image-size",
         type=int,
         default=None,
-        help="resize scenes to this square side (default: each model's processor decides: 84 px for embedded, 168 for the others)",
+        help="resize scenes to this square side (default: as each model's processor resizes them: 168 px)",
     )
     rollout.add_argument("--repeats", type=int, default=3)
     rollout.add_argument("--warmup", type=int, default=1)

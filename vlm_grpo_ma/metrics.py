@@ -91,10 +91,9 @@ def summarize(records: list[dict], keys: tuple[str, ...] = ("reward/mean", "rewa
     for key in keys:
         if not any(key in r for r in records):
             continue
-        a = _mean([r.get(key) for r in first])
-        b = _mean([r.get(key) for r in last])
-        first_values = [r.get(key) for r in first if r.get(key) is not None]
-        last_values = [r.get(key) for r in last if r.get(key) is not None]
+        first_values = [r[key] for r in first if r.get(key) is not None]
+        last_values = [r[key] for r in last if r.get(key) is not None]
+        a, b = _mean(first_values), _mean(last_values)
         summary[key] = {
             "first_fifth": a,
             "last_fifth": b,

@@ -454,7 +454,10 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool 
         return
     for name in found:
         path = run_dir / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     log.info("--overwrite: deleted %s from %s", ", ".join(found), run_dir)
 
 

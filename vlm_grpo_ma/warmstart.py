@@ -23,6 +23,7 @@ The committed weights in ``vlm_grpo_ma/assets/tiny-qwen2.5-vl`` were made by thi
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import random
 import shutil
@@ -44,13 +45,15 @@ GENERATOR_PATH = Path(__file__).resolve().parents[1] / "data" / "make_grounding.
 VISION_SEED, DECODER_SEED, HELD_OUT_SEED = 31, 32, 33
 
 
+@functools.cache
 def load_scene_generator():
-    """``data/make_grounding.py`` as a module (it is a script of the checkout, not part of the package)."""
+    """``data/make_grounding.py`` as a module (it is a script of the checkout, not part of the package),
+    loaded once: every stream and every label shares its classes and vocabularies."""
     if not GENERATOR_PATH.is_file():
         raise FileNotFoundError(f"the warm start needs the scene generator {GENERATOR_PATH} (run it from a checkout)")
     spec = importlib.util.spec_from_file_location("make_grounding", GENERATOR_PATH)
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_grounding", module)  # dataclasses resolve their module by name
+    sys.modules["make_grounding"] = module  # dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
 
@@ -96,15 +99,20 @@ class SceneStream:
 # Phase 1: the vision tower
 
 
-COLOURS = ("red", "green", "blue", "yellow")
-SHAPES = ("circle", "square", "triangle")
 COVERED = 0.1  # a token "has" an object when the object's box covers more than this fraction of it
+
+
+def scene_vocabulary() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(colour names, shape names) of the scene generator, in its order: the heads' class indices."""
+    generator = load_scene_generator()
+    return tuple(generator.COLOURS), tuple(generator.SHAPES)
 
 
 def token_targets(objects, grid_side: int, image_side: int) -> dict[str, torch.Tensor]:
     """What each merged token (row-major over a ``grid_side`` x ``grid_side`` grid) should encode: its grid
     place (0..1), whether an object's box covers it, and that object's colour, shape and box (0..1); the
     object covering the most of the token wins."""
+    colours, shapes = scene_vocabulary()
     cell = image_side / grid_side
     tokens = grid_side * grid_side
     place = torch.zeros(tokens, 2)
@@ -125,8 +133,8 @@ def token_targets(objects, grid_side: int, image_side: int) -> dict[str, torch.T
                     best, best_object = overlap, obj
             if best_object is not None:
                 covered[k] = True
-                colour[k] = COLOURS.index(best_object.colour)
-                shape[k] = SHAPES.index(best_object.shape)
+                colour[k] = colours.index(best_object.colour)
+                shape[k] = shapes.index(best_object.shape)
                 box[k] = torch.tensor(best_object.box, dtype=torch.float32) / image_side
     return {"place": place, "covered": covered, "colour": colour, "shape": shape, "box": box}
 
@@ -136,10 +144,11 @@ class TokenHeads(torch.nn.Module):
 
     def __init__(self, width: int):
         super().__init__()
+        colours, shapes = scene_vocabulary()
         self.place = torch.nn.Linear(width, 2)
         self.covered = torch.nn.Linear(width, 1)
-        self.colour = torch.nn.Linear(width, len(COLOURS))
-        self.shape = torch.nn.Linear(width, len(SHAPES))
+        self.colour = torch.nn.Linear(width, len(colours))
+        self.shape = torch.nn.Linear(width, len(shapes))
         self.box = torch.nn.Linear(width, 4)
 
     def loss(self, features: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
