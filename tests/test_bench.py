@@ -94,3 +94,24 @@ def test_the_embedded_model_is_benchmarked_as_the_default_run_loads_it(tmp_path)
 def test_an_unknown_benchmark_model_names_the_choices(tmp_path):
     with pytest.raises(ValueError, match="'20m'.*embedded, tiny, 10m"):
         load_bench_policy("20m", tmp_path)
+
+
+def test_training_forward_benchmark_paths_agree_and_count_the_tokens(tiny_policy):
+    """``bench train``: both forwards give the same log-probs and gradients, and the shared one encodes
+    each micro-batch's prompts and thoughts once (counted from the tree, not from either path)."""
+    from vlm_grpo_ma.bench import bench_train
+
+    policy, prompts = tiny_policy
+    prompts = bench_prompts(policy, 2)
+    result = bench_train(
+        policy, prompts, num_thoughts=K, num_answers=M, max_thought_tokens=THOUGHT_TOKENS,
+        max_answer_tokens=ANSWER_TOKENS, micro_batch_rows=K * M, repeats=1, warmup=0,
+    )  # fmt: skip
+    assert result["logprob_max_abs_diff"] <= TOLERANCE
+    assert result["grad_max_abs_diff_relative"] <= 1e-4
+    prompt = result["prompt_tokens_mean"]
+    thought, answer = result["thought_tokens_mean"], result["answer_tokens_mean"]
+    rows = 2 * K * M  # one micro-batch per prompt
+    assert result["tokens_encoded_reencode"] == pytest.approx(rows * (prompt + thought + answer))
+    assert result["tokens_encoded_shared"] == pytest.approx(2 * prompt + 2 * K * thought + rows * answer)
+    assert result["shared_s"] > 0 and result["reencode_s"] > 0

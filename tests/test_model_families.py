@@ -20,6 +20,7 @@ from vlm_grpo_ma.policy import (
     load_policy,
     sample_tree,
     sequence_logprobs,
+    shared_prefix_logprobs,
 )
 from vlm_grpo_ma.registry import Sample
 from vlm_grpo_ma.tiny import CHAT_TEMPLATE, build_tokenizer
@@ -283,3 +284,26 @@ def test_sequence_logprobs_equal_the_models_own_forward(family_policy, monkeypat
             monkeypatch.setattr(policy_module, "_select_vision_rows", without_deepstack)
             dropped = sequence_logprobs(policy, prompts, row_prompt, completions, temperature=1.0)
             assert float((dropped - ours).abs().max()) > 1e-2
+
+
+def test_shared_prefix_training_forward_equals_a_full_reencode(family_policy):
+    """The training forward through the KV cache (each prompt and thought once, vision features of different
+    sizes, Qwen3-VL deepstack) gives the log-probs and gradients of re-encoding each row."""
+    family, policy = family_policy
+    prompts = [encode_prompt(policy, s, "Think.") for s in _samples(3)]
+    tree = sample_tree(policy, prompts, num_thoughts=2, num_answers=2, settings=_settings(seed=2))
+    rows = [(a // 2 // 2, tree.thought_ids[a // 2], answer) for a, answer in enumerate(tree.answer_ids)][::-1]
+    row_prompt = [p for p, _, _ in rows]
+    completions = [thought + answer for _, thought, answer in rows]
+    thought_lengths = [len(thought) for _, thought, _ in rows]
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    weights = torch.randn((len(rows), max(map(len, completions))), generator=torch.Generator().manual_seed(0))
+    shared = shared_prefix_logprobs(policy, prompts, row_prompt, completions, thought_lengths, temperature=1.0)
+    full = sequence_logprobs(policy, prompts, row_prompt, completions, temperature=1.0)
+    worst = float((shared - full).detach().abs().max())
+    print(f"{family} shared-prefix vs re-encoded log-probs: max |diff| {worst:.3g}")
+    assert worst <= 1e-4
+    shared_grads = torch.autograd.grad((shared * weights).sum(), params)
+    full_grads = torch.autograd.grad((full * weights).sum(), params)
+    for got, want in zip(shared_grads, full_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-8)

@@ -187,3 +187,77 @@ def test_stop_candidates_are_the_tokens_that_can_finish_the_stop_text(tiny_polic
     assert all(">" in tok.decode([i]) for i in candidates)
     others = [i for i in range(len(tok)) if i not in candidates]
     assert others and not any(">" in tok.decode([i]) for i in others)
+
+
+def _tree_rows(policy, prompts, tree, num_thoughts, num_answers):
+    """The training rows of a sampled tree: (prompt of each row, thought + answer ids, thought lengths)."""
+    row_prompt, completions, thought_lengths = [], [], []
+    for a, answer in enumerate(tree.answer_ids):
+        t = a // num_answers
+        row_prompt.append(t // num_thoughts)
+        completions.append(tree.thought_ids[t] + answer)
+        thought_lengths.append(len(tree.thought_ids[t]))
+    return row_prompt, completions, thought_lengths
+
+
+def test_shared_prefix_logprobs_and_gradients_equal_a_full_reencode(tiny_policy):
+    """The training forward through the KV cache (each prompt and thought encoded once) gives the log-probs
+    and the parameter gradients of re-encoding every row, for uneven prompts, thoughts and answers, rows in
+    any order, a prompt whose rows are split, an empty thought and a one-token answer."""
+    from vlm_grpo_ma.policy import shared_prefix_logprobs
+
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(3)]
+    tree = sample_tree(tiny_policy, prompts, num_thoughts=3, num_answers=2, settings=_settings(seed=4, answer_stop="e"))
+    row_prompt, completions, thought_lengths = _tree_rows(tiny_policy, prompts, tree, 3, 2)
+    assert len({len(t) for t in tree.thought_ids}) >= 3 and len({len(a) for a in tree.answer_ids}) >= 3
+    order = torch.randperm(len(row_prompt), generator=torch.Generator().manual_seed(0))[:13].tolist()
+    row_prompt = [row_prompt[i] for i in order] + [1, 2]
+    completions = [completions[i] for i in order] + [[40, 41, 42], [43]]
+    thought_lengths = [thought_lengths[i] for i in order] + [0, 1]
+    params = [p for p in tiny_policy.model.parameters() if p.requires_grad]
+    assert params
+
+    def logprobs_and_grads(function, *extra):
+        logprobs = function(tiny_policy, prompts, row_prompt, completions, *extra, temperature=0.7)
+        weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(1))
+        return logprobs.detach(), torch.autograd.grad((logprobs * weights).sum(), params)
+
+    shared, shared_grads = logprobs_and_grads(shared_prefix_logprobs, thought_lengths)
+    full, full_grads = logprobs_and_grads(sequence_logprobs)
+    assert shared.shape == full.shape
+    assert float((shared - full).abs().max()) <= 1e-4
+    for got, want in zip(shared_grads, full_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-8)
+    # the check can fail: the same rows one token off (a pad slipped into each thought) differ
+    slipped = [c[:t] + [tiny_policy.pad_token_id] + c[t:] for c, t in zip(completions, thought_lengths, strict=True)]
+    with torch.no_grad():
+        off = shared_prefix_logprobs(tiny_policy, prompts, row_prompt, slipped, thought_lengths, temperature=0.7)
+    without_pad = torch.stack([torch.cat([off[r, :t], off[r, t + 1 :]]) for r, t in enumerate(thought_lengths)])
+    assert float((without_pad - full).abs().max()) > 1e-2
+
+
+def test_shared_prefix_logprobs_encode_each_prompt_and_thought_once(tiny_policy):
+    """2 prompts x 2 thoughts x 3 answers: the decoder sees the 2 prompts, then 4 thoughts, then 12 answers
+    (not 12 prompt + thought + answer rows), and the vision tower runs once on the 2 images."""
+    from vlm_grpo_ma.policy import shared_prefix_logprobs
+
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
+    tree = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=3, settings=_settings(seed=2, answer_stop="e"))
+    row_prompt, completions, thought_lengths = _tree_rows(tiny_policy, prompts, tree, 2, 3)
+    decoder_batches, images = [], []
+    decoder = tiny_policy.model.model.language_model
+    hooks = [
+        decoder.register_forward_pre_hook(lambda m, a, kw: decoder_batches.append(tuple(kw["inputs_embeds"].shape[:2])), with_kwargs=True),
+        tiny_policy.model.model.visual.register_forward_pre_hook(lambda m, a, kw: images.append(int(a[1].shape[0] if len(a) > 1 else kw["grid_thw"].shape[0])), with_kwargs=True),
+    ]
+    try:
+        with torch.no_grad():
+            shared_prefix_logprobs(tiny_policy, prompts, row_prompt, completions, thought_lengths, temperature=1.0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert [rows for rows, _ in decoder_batches] == [2, 4, 12]
+    assert decoder_batches[0][1] == max(len(p.input_ids) for p in prompts)
+    assert decoder_batches[1][1] == max(len(t) for t in tree.thought_ids)
+    assert decoder_batches[2][1] == max(len(a) for a in tree.answer_ids) - 1  # an answer's last token predicts nothing
+    assert images == [2]

@@ -29,6 +29,10 @@ class TrainBatch:
     def num_rows(self) -> int:
         return len(self.completion_ids)
 
+    def thought_lengths(self) -> list[int]:
+        """Each row's number of thought tokens (its completion is thought + answer)."""
+        return self.is_thought.sum(dim=1).tolist()
+
     def total_weight(self) -> float:
         return float(self.token_weights.sum())
 

@@ -1,4 +1,5 @@
-"""Benchmarks. ``python -m vlm_grpo_ma.bench rollout``: what branching answers from the thought's KV cache buys.
+"""Benchmarks. ``python -m vlm_grpo_ma.bench rollout``: what branching answers from the thought's KV cache buys;
+``python -m vlm_grpo_ma.bench train``: the same for the training forward and backward (see ``bench_train``).
 
 The K x M rollout is timed two ways, side by side in one process, repeats interleaved (a, b, a, b, ...):
 
@@ -37,7 +38,8 @@ import torch
 from PIL import Image
 
 import vlm_grpo_ma.policy as policy_module
-from vlm_grpo_ma.config import RolloutConfig
+from vlm_grpo_ma import lora
+from vlm_grpo_ma.config import RolloutConfig, TrainConfig
 from vlm_grpo_ma.policy import (
     EncodedPrompt,
     Policy,
@@ -53,6 +55,8 @@ from vlm_grpo_ma.policy import (
     prefill,
     prompt_generators,
     sample_tree,
+    sequence_logprobs,
+    shared_prefix_logprobs,
 )
 from vlm_grpo_ma.registry import get_task
 from vlm_grpo_ma.tiny import SIZES, TINY_MODEL_NAME, build_untrained
@@ -319,6 +323,120 @@ def bench_rollout(
     return result
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The training forward: shared prefixes vs re-encoded rows
+
+
+def bench_train(
+    policy: Policy,
+    prompts: Sequence[EncodedPrompt],
+    *,
+    num_thoughts: int = 4,
+    num_answers: int = 4,
+    max_thought_tokens: int = RolloutConfig.max_thought_tokens,
+    max_answer_tokens: int = RolloutConfig.max_answer_tokens,
+    micro_batch_rows: int = TrainConfig.micro_batch_rows,
+    repeats: int = 3,
+    warmup: int = 1,
+    seed: int = 0,
+) -> dict:
+    """Time the log-probs + backward of one step's B*K*M training rows (one K x M tree sampled per prompt, then
+    fixed) two ways, interleaved a, b, b, a, ...: (a) ``shared``: ``shared_prefix_logprobs`` as the trainer runs
+    it, each prompt and thought encoded once per micro-batch; (b) ``reencode``: ``sequence_logprobs``, every
+    row re-encoded (what the trainer does under gradient checkpointing, and what a trainer without the tree
+    does). Micro-batches of ``micro_batch_rows`` rows in the trainer's row order; the vision tower frozen as in
+    the default run. Both backpropagate the same weighted sum of log-probs, and their log-probs and gradients
+    are compared."""
+    settings = SamplingSettings(
+        temperature=1.0,
+        max_thought_tokens=max_thought_tokens,
+        max_answer_tokens=max_answer_tokens,
+        generators=prompt_generators(seed, 0, len(prompts)),
+    )
+    with torch.no_grad():
+        tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=settings)
+    thought_of_row = [a // num_answers for a in range(len(tree.answer_ids))]
+    row_prompt = [t // num_thoughts for t in thought_of_row]
+    completions = [tree.thought_ids[t] + answer for t, answer in zip(thought_of_row, tree.answer_ids, strict=True)]
+    thought_lengths = [len(tree.thought_ids[t]) for t in thought_of_row]
+    width = max(len(c) for c in completions)
+    weights = torch.randn((len(completions), width), generator=torch.Generator().manual_seed(seed))
+    params = lora.trainable_parameters(policy.model)
+
+    def run(shared: bool) -> tuple[float, torch.Tensor, list[torch.Tensor]]:
+        for p in params:
+            p.grad = None
+        started = time.perf_counter()
+        chunks = []
+        for start in range(0, len(completions), micro_batch_rows):
+            rows = slice(start, start + micro_batch_rows)
+            if shared:
+                lp = shared_prefix_logprobs(
+                    policy, prompts, row_prompt[rows], completions[rows], thought_lengths[rows], temperature=1.0
+                )
+            else:
+                lp = sequence_logprobs(policy, prompts, row_prompt[rows], completions[rows], temperature=1.0)
+            (lp * weights[rows, : lp.shape[1]]).sum().backward()
+            chunks.append(torch.nn.functional.pad(lp.detach(), (0, width - lp.shape[1])))
+        seconds = time.perf_counter() - started
+        return seconds, torch.cat(chunks), [p.grad.clone() for p in params]
+
+    times = {"shared": [], "reencode": []}
+    for round_ in range(warmup + repeats):
+        order = ("shared", "reencode") if round_ % 2 == 0 else ("reencode", "shared")
+        out = {path: run(path == "shared") for path in order}
+        if round_ >= warmup:
+            for path in order:
+                times[path].append(out[path][0])
+    (_, shared_lp, shared_grads), (_, full_lp, full_grads) = out["shared"], out["reencode"]
+    grad_scale = max(float(g.abs().max()) for g in full_grads)
+    encoded_reencode = sum(len(prompts[p].input_ids) + len(c) for p, c in zip(row_prompt, completions, strict=True))
+    encoded_shared = 0  # per micro-batch: its distinct prompts, its distinct thoughts, its answers
+    for start in range(0, len(completions), micro_batch_rows):
+        rows = range(start, min(start + micro_batch_rows, len(completions)))
+        encoded_shared += sum(len(prompts[p].input_ids) for p in {row_prompt[r] for r in rows})
+        encoded_shared += sum(len(tree.thought_ids[t]) for t in {thought_of_row[r] for r in rows})
+        encoded_shared += sum(len(tree.answer_ids[r]) for r in rows)
+    result = {
+        "params": count_parameters(policy.model),
+        "trainable_params": sum(p.numel() for p in params),
+        "num_prompts": len(prompts),
+        "num_thoughts": num_thoughts,
+        "num_answers": num_answers,
+        "micro_batch_rows": micro_batch_rows,
+        "repeats": repeats,
+        "prompt_tokens_mean": _mean_len([p.input_ids for p in prompts]),
+        "thought_tokens_mean": _mean_len(tree.thought_ids),
+        "answer_tokens_mean": _mean_len(tree.answer_ids),
+        "tokens_encoded_shared": encoded_shared,
+        "tokens_encoded_reencode": encoded_reencode,
+        "logprob_max_abs_diff": float((shared_lp - full_lp).abs().max()),
+        "grad_max_abs_diff_relative": max(float((a - b).abs().max()) for a, b in zip(shared_grads, full_grads, strict=True))
+        / grad_scale,
+    }
+    for path in times:
+        result[f"{path}_s"] = statistics.median(times[path])
+        result[f"{path}_all_s"] = times[path]
+    result["ratio"] = result["reencode_s"] / result["shared_s"]
+    return result
+
+
+def format_train_table(rows: Sequence[dict]) -> str:
+    header = (
+        f"{'model':<8} {'params':>8} {'K':>2} {'M':>2} {'B':>2} {'rows/mb':>7} | {'tokens shared':>13} "
+        f"{'re-encode':>9} | {'shared s':>8} {'re-encode s':>11} {'ratio':>6} | {'max |dlogp|':>11} {'grad rel':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['model']:<8} {r['params'] / 1e6:>7.2f}M {r['num_thoughts']:>2} {r['num_answers']:>2} "
+            f"{r['num_prompts']:>2} {r['micro_batch_rows']:>7} | {r['tokens_encoded_shared']:>13} "
+            f"{r['tokens_encoded_reencode']:>9} | {r['shared_s']:>8.3f} {r['reencode_s']:>11.3f} "
+            f"{r['ratio']:>5.2f}x | {r['logprob_max_abs_diff']:>11.1e} {r['grad_max_abs_diff_relative']:>8.1e}"
+        )
+    return "\n".join(lines)
+
+
 def format_table(rows: Sequence[dict]) -> str:
     header = (
         f"{'model':<6} {'params':>8} {'image':>7} {'K':>2} {'M':>2} {'B':>2} | {'branched s':>10} "
@@ -346,12 +464,7 @@ def _load() -> str:
 
 
 def rollout_main(args: argparse.Namespace) -> list[dict]:
-    names = [s.strip() for s in args.models.split(",") if s.strip()]
-    unknown = [s for s in names if s not in BENCH_MODELS]
-    if unknown:
-        raise SystemExit(f"unknown benchmark model(s) {unknown}; choose from: {', '.join(BENCH_MODELS)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    names = _check_models(args)
     print(
         f"rollout benchmark: B={args.prompts} K={args.thoughts} M={args.answers} thought<={args.thought_tokens} "
         f"answer<={args.answer_tokens} tok, image {args.image_size or 'as loaded'} px, repeats={args.repeats} "
@@ -405,33 +518,92 @@ def rollout_main(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _check_models(args: argparse.Namespace) -> list[str]:
+    names = [s.strip() for s in args.models.split(",") if s.strip()]
+    unknown = [s for s in names if s not in BENCH_MODELS]
+    if unknown:
+        raise SystemExit(f"unknown benchmark model(s) {unknown}; choose from: {', '.join(BENCH_MODELS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return names
+
+
+def train_main(args: argparse.Namespace) -> list[dict]:
+    names = _check_models(args)
+    print(
+        f"training forward + backward benchmark: B={args.prompts} K={args.thoughts} M={args.answers} "
+        f"thought<={args.thought_tokens} answer<={args.answer_tokens} tok, micro-batches of "
+        f"{args.micro_batch_rows} rows, repeats={args.repeats} (+{args.warmup} warm-up), seed={args.seed}, "
+        f"torch threads={torch.get_num_threads()}; load average before: {_load()}",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vlm-grpo-ma-bench-") as workdir:
+        for name in names:
+            policy = load_bench_policy(name, Path(workdir), image_size=args.image_size)
+            lora.freeze_vision(policy.model)  # as the default run trains
+            prompts = bench_prompts(policy, args.prompts, image_size=args.image_size)
+            result = bench_train(
+                policy,
+                prompts,
+                num_thoughts=args.thoughts,
+                num_answers=args.answers,
+                max_thought_tokens=args.thought_tokens,
+                max_answer_tokens=args.answer_tokens,
+                micro_batch_rows=args.micro_batch_rows,
+                repeats=args.repeats,
+                warmup=args.warmup,
+                seed=args.seed,
+            )
+            result["model"] = name
+            rows.append(result)
+            del policy
+    print()
+    print(format_train_table(rows))
+    print(
+        "ratio = re-encode / shared (median wall time of log-probs + backward over the step's micro-batches); "
+        "tokens = decoder positions encoded, padding excluded"
+    )
+    print(f"load average after: {_load()}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"train": rows}, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     rollout = commands.add_parser("rollout", help="K x M rollout: branched from the KV cache vs re-encoding")
-    rollout.add_argument(
-        "--models", default=",".join(BENCH_MODELS), help=f"comma-separated, from: {', '.join(BENCH_MODELS)}"
-    )
-    rollout.add_argument("--prompts", "-B", type=int, default=4)
-    rollout.add_argument("--thoughts", "-K", type=int, default=4)
-    rollout.add_argument("--answers", "-M", type=int, default=4)
+    train = commands.add_parser("train", help="training log-probs + backward: shared prefixes vs re-encoded rows")
     defaults = RolloutConfig()  # the token limits of the default run
-    rollout.add_argument("--thought-tokens", type=int, default=defaults.max_thought_tokens)
-    rollout.add_argument("--answer-tokens", type=int, default=defaults.max_answer_tokens)
-    rollout.add_argument(
-        "--image-size",
-        type=int,
-        default=None,
-        help="resize scenes to this square side (default: as each model's processor resizes them: 168 px)",
-    )
-    rollout.add_argument("--repeats", type=int, default=3)
-    rollout.add_argument("--warmup", type=int, default=1)
-    rollout.add_argument("--seed", type=int, default=0)
-    rollout.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    rollout.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    for command in (rollout, train):
+        command.add_argument(
+            "--models", default=",".join(BENCH_MODELS), help=f"comma-separated, from: {', '.join(BENCH_MODELS)}"
+        )
+        command.add_argument("--prompts", "-B", type=int, default=4)
+        command.add_argument("--thoughts", "-K", type=int, default=4)
+        command.add_argument("--answers", "-M", type=int, default=4)
+        command.add_argument("--thought-tokens", type=int, default=defaults.max_thought_tokens)
+        command.add_argument("--answer-tokens", type=int, default=defaults.max_answer_tokens)
+        command.add_argument(
+            "--image-size",
+            type=int,
+            default=None,
+            help="resize scenes to this square side (default: as each model's processor resizes them: 168 px)",
+        )
+        command.add_argument("--repeats", type=int, default=3)
+        command.add_argument("--warmup", type=int, default=1)
+        command.add_argument("--seed", type=int, default=0)
+        command.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+        command.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    train.add_argument("--micro-batch-rows", type=int, default=TrainConfig.micro_batch_rows)
     args = parser.parse_args(argv)
     if args.command == "rollout":
         rollout_main(args)
+    else:
+        train_main(args)
 
 
 if __name__ == "__main__":

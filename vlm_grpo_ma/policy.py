@@ -552,16 +552,38 @@ def sample_tree(
 
 
 class CompletionScorer(torch.nn.Module):
-    """``sequence_logprobs`` as one module call, for training: data-parallel wrappers (DDP through
+    """``completion_logprobs`` as one module call, for training: data-parallel wrappers (DDP through
     ``accelerator.prepare``) see the whole forward, vision tower included, and synchronise its gradients."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, *, share_prefixes: bool):
         super().__init__()
         self.model = policy.model  # registers the parameters; the policy object itself is not a module
         self._policy = policy
+        self.share_prefixes = share_prefixes
 
-    def forward(self, prompts, row_prompt, completions, *, temperature: float) -> torch.Tensor:
-        return sequence_logprobs(self._policy, prompts, row_prompt, completions, temperature=temperature)
+    def forward(self, prompts, row_prompt, completions, thought_lengths, *, temperature: float) -> torch.Tensor:
+        return completion_logprobs(
+            self._policy, prompts, row_prompt, completions, thought_lengths,
+            temperature=temperature, share_prefixes=self.share_prefixes,
+        )  # fmt: skip
+
+
+def completion_logprobs(
+    policy: Policy,
+    prompts: Sequence[EncodedPrompt],
+    row_prompt: Sequence[int],
+    completions: Sequence[Sequence[int]],
+    thought_lengths: Sequence[int],
+    *,
+    temperature: float,
+    share_prefixes: bool,
+) -> torch.Tensor:
+    """Log-probs [N, T] of training rows (a thought + answer after prompt ``row_prompt[r]``): through the KV
+    cache, each prompt and thought encoded once (``shared_prefix_logprobs``), or with ``share_prefixes`` off
+    (gradient checkpointing drops the cache) by re-encoding every row (``sequence_logprobs``). The two agree."""
+    if share_prefixes:
+        return shared_prefix_logprobs(policy, prompts, row_prompt, completions, thought_lengths, temperature=temperature)
+    return sequence_logprobs(policy, prompts, row_prompt, completions, temperature=temperature)
 
 
 def sequence_logprobs(
@@ -612,6 +634,116 @@ def sequence_logprobs(
         targets[r, : lengths[r]] = torch.tensor(list(completion), dtype=torch.long)
     logprobs = _policy_logprobs(logits, temperature, policy.suppressed_token_ids).gather(-1, targets.to(device)[..., None]).squeeze(-1)
     return logprobs.masked_fill(~valid, 0.0)
+
+
+def _right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _continue_block(policy: Policy, cache, mask: torch.Tensor, next_position: torch.Tensor, rows: Sequence[Sequence[int]]):
+    """Feed one right-padded block of tokens per row after what ``cache`` holds (it grows in place).
+    ``mask`` [N, L] is the cache's attention mask, ``next_position`` [N] each row's next text position.
+    Returns (hidden states [N, W, H], the mask extended to [N, L + W])."""
+    device = policy.device
+    ids, block_mask = _right_pad(rows, policy.pad_token_id)
+    if ids.shape[1] == 0:  # every row's block is empty
+        return torch.zeros((len(rows), 0, policy.model.config.get_text_config().hidden_size), device=device), mask
+    ids, block_mask = ids.to(device), block_mask.to(device)
+    mask = torch.cat([mask, block_mask], dim=1)
+    # text after the image: the three mRoPE components are equal
+    positions = (next_position[:, None] + torch.arange(ids.shape[1], device=device)[None, :])[None].expand(3, -1, -1)
+    hidden = policy.model.model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+    ).last_hidden_state
+    return hidden, mask
+
+
+def shared_prefix_logprobs(
+    policy: Policy,
+    prompts: Sequence[EncodedPrompt],
+    row_prompt: Sequence[int],
+    completions: Sequence[Sequence[int]],
+    thought_lengths: Sequence[int],
+    *,
+    temperature: float,
+) -> torch.Tensor:
+    """What ``sequence_logprobs`` returns, computed the way the rollout samples: each prompt once, each
+    distinct thought once on its prompt's KV cache, each answer on its thought's cache. Row r's completion is
+    the thought ``completions[r][:thought_lengths[r]]`` followed by its answer; rows with the same prompt and
+    thought share that computation, and gradients flow back through the cache into it.
+
+    Re-encoding rows instead encodes a prompt (its image tokens included) K*M times and each thought M times;
+    with the embedded model's T4A4 rows that is about 5x the tokens. transformers drops the cache under
+    gradient checkpointing, so that setting re-encodes (``completion_logprobs``).
+    """
+    from transformers import DynamicCache
+
+    device = policy.device
+    keys = [(p, tuple(c[:t])) for p, c, t in zip(row_prompt, completions, thought_lengths, strict=True)]
+    thought_index = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # distinct (prompt, thought) pairs
+    thought_keys = list(thought_index)
+    thought_of_row = [thought_index[key] for key in keys]
+    used = list(dict.fromkeys(row_prompt))  # distinct prompts
+    prompt_of_thought = [used.index(p) for p, _ in thought_keys]
+    thoughts = [list(thought) for _, thought in thought_keys]
+    answers = [list(c[t:]) for c, t in zip(completions, thought_lengths, strict=True)]
+
+    # 1. The distinct prompts, right-padded: every attention row keeps a real key (left padding would leave
+    # fully masked rows, whose NaN-prone softmax would now sit on the backward path).
+    ids, mask = _right_pad([prompts[p].input_ids for p in used], policy.pad_token_id)
+    ids, mask = ids.to(device), mask.to(device)
+    vision, grid = _encode_images(policy, [prompts[p] for p in used])
+    positions = _rope_positions(policy, ids, mask, grid)
+    cache = DynamicCache(config=policy.model.config)
+    prompt_hidden = policy.model.model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+        **_vision_inputs(vision),
+    ).last_hidden_state  # fmt: skip
+    prompt_last = prompt_hidden[torch.arange(len(used), device=device), mask.sum(1) - 1]  # [U, H]
+    next_position = positions.masked_fill(mask[None] == 0, -1).amax(dim=(0, 2)) + 1  # [U]
+
+    # 2. Each distinct thought on its prompt's cache.
+    select = torch.tensor(prompt_of_thought, device=device)
+    cache.reorder_cache(select)  # index_select: differentiable, gradients of all K thoughts add up in the prompt
+    thought_hidden, mask = _continue_block(policy, cache, mask[select], next_position[select], thoughts)
+    thought_length = torch.tensor([len(t) for t in thoughts], device=device)
+    next_position = next_position[select] + thought_length
+
+    # 3. Each answer on its thought's cache, without its last token (whose output predicts nothing scored).
+    select = torch.tensor(thought_of_row, device=device)
+    cache.reorder_cache(select)
+    answer_hidden, _ = _continue_block(policy, cache, mask[select], next_position[select], [a[:-1] for a in answers])
+
+    # The hidden state that predicts each scored token: thought token 0 <- the prompt's last position, thought
+    # token j <- thought position j - 1, answer token 0 <- the thought's last position (the prompt's for an
+    # empty thought), answer token j <- answer position j - 1.
+    before_thought = torch.cat([prompt_last[prompt_of_thought][:, None], thought_hidden], dim=1)  # [Tn, Wt + 1, H]
+    thought_end = before_thought[torch.arange(len(thoughts), device=device), thought_length]  # [Tn, H]
+    before_answer = torch.cat([thought_end[select][:, None], answer_hidden], dim=1)  # [N, Wa, H]
+    thought_targets, _ = _right_pad(thoughts, 0)
+    answer_targets, _ = _right_pad(answers, 0)
+    thought_logprobs = _token_logprobs(policy, before_thought[:, : thought_targets.shape[1]], thought_targets, temperature)
+    answer_logprobs = _token_logprobs(policy, before_answer[:, : answer_targets.shape[1]], answer_targets, temperature)
+
+    # Back to one row per answer, as sequence_logprobs lays them out: thought, answer, zero padding.
+    width = max((len(c) for c in completions), default=0)
+    rows = []
+    for r, (t, answer) in enumerate(zip(thought_lengths, answers, strict=True)):
+        padding = answer_logprobs.new_zeros(width - t - len(answer))
+        rows.append(torch.cat([thought_logprobs[thought_of_row[r], :t], answer_logprobs[r, : len(answer)], padding]))
+    return torch.stack(rows) if rows else torch.zeros((0, width), device=device)
+
+
+def _token_logprobs(policy: Policy, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probs [N, T] of ``targets`` [N, T] under the policy, from the hidden states [N, T, H] predicting them."""
+    logprobs = _policy_logprobs(policy.model.lm_head(hidden), temperature, policy.suppressed_token_ids)
+    return logprobs.gather(-1, targets.to(hidden.device)[..., None]).squeeze(-1)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

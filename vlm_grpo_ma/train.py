@@ -35,11 +35,11 @@ from vlm_grpo_ma.policy import (
     ImageLoadError,
     Policy,
     SamplingSettings,
+    completion_logprobs,
     count_parameters,
     encode_prompt,
     load_policy,
     prompt_generators,
-    sequence_logprobs,
 )
 from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules
 from vlm_grpo_ma.rewards import ScoredRollout, check_reward_overrides, score_rollout
@@ -121,11 +121,12 @@ def update_policy(
         optimizer.zero_grad(set_to_none=True)
         for start in range(0, batch.num_rows, cfg.train.micro_batch_rows):
             micro = batch.rows(start, start + cfg.train.micro_batch_rows)
-            logprobs = scorer(prompts, micro.row_prompt, micro.completion_ids, temperature=cfg.rollout.temperature)
+            thought_lengths = micro.thought_lengths()
+            logprobs = scorer(prompts, micro.row_prompt, micro.completion_ids, thought_lengths, temperature=cfg.rollout.temperature)
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
             old = logprobs.detach() if old_logprobs is None else old_logprobs[start : start + micro.num_rows, : logprobs.shape[1]]
-            ref = reference(prompts, micro.row_prompt, micro.completion_ids) if reference is not None else None
+            ref = reference(prompts, micro.row_prompt, micro.completion_ids, thought_lengths) if reference is not None else None
             weights = micro.token_weights.to(device)
             loss, micro_stats = policy_loss(
                 logprobs,
@@ -162,7 +163,10 @@ def _logprobs_in_chunks(policy, batch: TrainBatch, prompts, cfg: Config) -> torc
     chunks = []
     for start in range(0, batch.num_rows, cfg.train.micro_batch_rows):
         micro = batch.rows(start, start + cfg.train.micro_batch_rows)
-        lp = sequence_logprobs(policy, prompts, micro.row_prompt, micro.completion_ids, temperature=cfg.rollout.temperature)
+        lp = completion_logprobs(
+            policy, prompts, micro.row_prompt, micro.completion_ids, micro.thought_lengths(),
+            temperature=cfg.rollout.temperature, share_prefixes=shares_prefixes(cfg),
+        )  # fmt: skip
         chunks.append(torch.nn.functional.pad(lp, (0, batch.advantages.shape[1] - lp.shape[1])))
     return torch.cat(chunks)
 
@@ -299,26 +303,32 @@ def configure_trainable(policy: Policy, cfg: Config) -> None:
     log.info("trainable: %s", lora.describe_parameters(policy.model))
 
 
+def shares_prefixes(cfg: Config) -> bool:
+    """Training forwards encode each prompt and thought once (through the KV cache) unless gradient
+    checkpointing is on: transformers drops the cache under checkpointing, so those rows are re-encoded."""
+    return not cfg.model.gradient_checkpointing
+
+
 def make_reference(policy: Policy, cfg: Config, device):
-    """``reference(prompts, row_prompt, completions)`` -> log-probs of the frozen reference policy (KL term),
+    """``reference(prompts, row_prompt, completions, thought_lengths)`` -> log-probs of the frozen reference policy (KL term),
     or None without KL. With LoRA the reference is the model with its adapters switched off (no second
     copy in memory); otherwise a frozen copy of ``model.name_or_path``."""
     if cfg.algorithm.kl_coef == 0:
         return None
-    temperature = cfg.rollout.temperature
+    how = {"temperature": cfg.rollout.temperature, "share_prefixes": shares_prefixes(cfg)}
     if policy.adapter is not None:
 
-        def reference(prompts, row_prompt, completions):
+        def reference(prompts, row_prompt, completions, thought_lengths):
             with torch.no_grad(), lora.adapters_disabled(policy):
-                return sequence_logprobs(policy, prompts, row_prompt, completions, temperature=temperature)
+                return completion_logprobs(policy, prompts, row_prompt, completions, thought_lengths, **how)
 
         return reference
     frozen = load_policy(cfg.model.name_or_path, dtype=cfg.model.dtype, device=device)
     frozen.model.eval().requires_grad_(False)
 
-    def reference(prompts, row_prompt, completions):
+    def reference(prompts, row_prompt, completions, thought_lengths):
         with torch.no_grad():
-            return sequence_logprobs(frozen, prompts, row_prompt, completions, temperature=temperature)
+            return completion_logprobs(frozen, prompts, row_prompt, completions, thought_lengths, **how)
 
     return reference
 
@@ -492,7 +502,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         weight_decay=cfg.train.weight_decay,
     )
     scheduler = make_scheduler(optimizer, cfg)
-    scorer, optimizer, scheduler = accelerator.prepare(CompletionScorer(policy), optimizer, scheduler)
+    scorer, optimizer, scheduler = accelerator.prepare(CompletionScorer(policy, share_prefixes=shares_prefixes(cfg)), optimizer, scheduler)
     if history_state is not None:
         optimizer.load_state_dict(history_state["optimizer"])
         scheduler.load_state_dict(history_state["scheduler"])
