@@ -15,7 +15,7 @@ def test_defaults_are_the_paper_comparison_t4a4():
 
 
 def test_dotted_overrides_are_typed():
-    cfg = load_config(None, ["rollout.num_answers=1", "rollout.num_thoughts=16", "train.learning_rate=1e-5", "model.max_pixels=null"])
+    cfg = load_config(None, ["rollout.num_answers=1", "rollout.num_thoughts=16", "algorithm.answer_baseline=prompt", "train.learning_rate=1e-5", "model.max_pixels=null"])
     assert cfg.rollout.num_answers == 1 and cfg.rollout.num_thoughts == 16
     assert cfg.train.learning_rate == pytest.approx(1e-5) and isinstance(cfg.train.learning_rate, float)
     assert cfg.model.max_pixels is None
@@ -51,6 +51,9 @@ def test_bad_values_name_the_key_and_the_choices(override, message):
 def test_thought_baseline_needs_several_answers():
     with pytest.raises(ConfigError, match="answer_baseline='thought' needs rollout.num_answers >= 2"):
         load_config(None, ["algorithm.answer_baseline=thought", "rollout.num_answers=1", "rollout.num_thoughts=16"])
+    # the default baseline is "thought": asking for plain GRPO by overrides alone names the setting to add
+    with pytest.raises(ConfigError, match="set algorithm.answer_baseline=prompt"):
+        load_config(None, ["rollout.num_answers=1", "rollout.num_thoughts=16"])
 
 
 def test_missing_config_file(tmp_path):

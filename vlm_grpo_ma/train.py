@@ -437,7 +437,7 @@ def load_training_policy(cfg: Config, run_dir: Path, resume: bool, device) -> tu
     policy.model.train()
     policy.model.config.use_cache = True
     if cfg.model.gradient_checkpointing:
-        policy.model.gradient_checkpointing_enable()
+        policy.model.activation_checkpointing_enable()
     configure_trainable(policy, cfg)
     return policy, last
 
