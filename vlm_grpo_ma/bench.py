@@ -472,38 +472,25 @@ def rollout_main(args: argparse.Namespace) -> list[dict]:
         flush=True,
     )
     print(f"load average before: {_load()}", flush=True)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="vlm-grpo-ma-bench-") as workdir:
-        for name in names:
-            policy = load_bench_policy(name, Path(workdir), image_size=args.image_size)
-            prompts = bench_prompts(policy, args.prompts, image_size=args.image_size)
-            started = time.perf_counter()
-            result = bench_rollout(
-                policy,
-                prompts,
-                num_thoughts=args.thoughts,
-                num_answers=args.answers,
-                max_thought_tokens=args.thought_tokens,
-                max_answer_tokens=args.answer_tokens,
-                repeats=args.repeats,
-                warmup=args.warmup,
-                seed=args.seed,
-            )
-            result["model"] = name
-            result["weights"] = "warm-started" if name == EMBEDDED else "untrained"
-            result["bench_wall_s"] = time.perf_counter() - started
-            result["torch_threads"] = torch.get_num_threads()
-            result["load_average_after"] = _load()
-            print(
-                f"  {name} ({result['weights']}): {result['params']:,} parameters, prompt {result['prompt_tokens_mean']:.0f} tokens, "
-                f"thought {result['thought_tokens_mean']:.1f} tokens; thought stage "
-                f"{result['branched_thought_s']:.3f} s (a) / {result['reencode_thought_s']:.3f} s (b); "
-                f"first-token log-prob max |a-b| {result['first_token_max_abs_diff']:.1e}; "
-                f"identical answers {result['answers_identical_fraction']:.0%} ({result['bench_wall_s']:.0f} s)",
-                flush=True,
-            )
-            rows.append(result)
-            del policy
+
+    def measure(name: str, policy: Policy, prompts: list[EncodedPrompt]) -> dict:
+        started = time.perf_counter()
+        result = bench_rollout(policy, prompts, **_shared_settings(args))
+        result["weights"] = "warm-started" if name == EMBEDDED else "untrained"
+        result["bench_wall_s"] = time.perf_counter() - started
+        result["torch_threads"] = torch.get_num_threads()
+        result["load_average_after"] = _load()
+        print(
+            f"  {name} ({result['weights']}): {result['params']:,} parameters, prompt {result['prompt_tokens_mean']:.0f} tokens, "
+            f"thought {result['thought_tokens_mean']:.1f} tokens; thought stage "
+            f"{result['branched_thought_s']:.3f} s (a) / {result['reencode_thought_s']:.3f} s (b); "
+            f"first-token log-prob max |a-b| {result['first_token_max_abs_diff']:.1e}; "
+            f"identical answers {result['answers_identical_fraction']:.0%} ({result['bench_wall_s']:.0f} s)",
+            flush=True,
+        )
+        return result
+
+    rows = _each_model(names, args, measure)
     print()
     print(format_table(rows))
     print("ratio = re-encode / branched (median wall time); 'answer' = the stage after the thoughts only")
@@ -511,10 +498,7 @@ def rollout_main(args: argparse.Namespace) -> list[dict]:
         f"load average after: {_load()} (other processes on the machine skew wall times; the thought stage, "
         "the same code in both paths, should take the same time in both)"
     )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rollout": rows}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    _write_results(args.out, "rollout", rows)
     return rows
 
 
@@ -528,6 +512,40 @@ def _check_models(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def _shared_settings(args: argparse.Namespace) -> dict:
+    """The tree and repeat settings both benchmarks take from the command line."""
+    return dict(
+        num_thoughts=args.thoughts,
+        num_answers=args.answers,
+        max_thought_tokens=args.thought_tokens,
+        max_answer_tokens=args.answer_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+
+
+def _each_model(names: list[str], args: argparse.Namespace, measure) -> list[dict]:
+    """``measure(name, policy, prompts)`` for each model, loaded in turn (one in memory at a time)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vlm-grpo-ma-bench-") as workdir:
+        for name in names:
+            policy = load_bench_policy(name, Path(workdir), image_size=args.image_size)
+            prompts = bench_prompts(policy, args.prompts, image_size=args.image_size)
+            result = measure(name, policy, prompts)
+            result["model"] = name
+            rows.append(result)
+            del policy
+    return rows
+
+
+def _write_results(out: Path | None, benchmark: str, rows: list[dict]) -> None:
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({benchmark: rows}, indent=2) + "\n")
+        print(f"wrote {out}")
+
+
 def train_main(args: argparse.Namespace) -> list[dict]:
     names = _check_models(args)
     print(
@@ -537,27 +555,12 @@ def train_main(args: argparse.Namespace) -> list[dict]:
         f"torch threads={torch.get_num_threads()}; load average before: {_load()}",
         flush=True,
     )
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="vlm-grpo-ma-bench-") as workdir:
-        for name in names:
-            policy = load_bench_policy(name, Path(workdir), image_size=args.image_size)
-            lora.freeze_vision(policy.model)  # as the default run trains
-            prompts = bench_prompts(policy, args.prompts, image_size=args.image_size)
-            result = bench_train(
-                policy,
-                prompts,
-                num_thoughts=args.thoughts,
-                num_answers=args.answers,
-                max_thought_tokens=args.thought_tokens,
-                max_answer_tokens=args.answer_tokens,
-                micro_batch_rows=args.micro_batch_rows,
-                repeats=args.repeats,
-                warmup=args.warmup,
-                seed=args.seed,
-            )
-            result["model"] = name
-            rows.append(result)
-            del policy
+
+    def measure(name: str, policy: Policy, prompts: list[EncodedPrompt]) -> dict:
+        lora.freeze_vision(policy.model)  # as the default run trains
+        return bench_train(policy, prompts, micro_batch_rows=args.micro_batch_rows, **_shared_settings(args))
+
+    rows = _each_model(names, args, measure)
     print()
     print(format_train_table(rows))
     print(
@@ -565,10 +568,7 @@ def train_main(args: argparse.Namespace) -> list[dict]:
         "tokens = decoder positions encoded, padding excluded"
     )
     print(f"load average after: {_load()}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"train": rows}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    _write_results(args.out, "train", rows)
     return rows
 
 

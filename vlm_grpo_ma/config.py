@@ -207,7 +207,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             "algorithm.answer_baseline='thought' needs rollout.num_answers >= 2 (with one answer per thought"
             " every answer advantage would be 0); for plain GRPO (M = 1) set algorithm.answer_baseline=prompt, as"
-                " configs/tiny-grounding-t16a1.yaml does"
+            " configs/tiny-grounding-t16a1.yaml does"
         )
     if cfg.data.tasks:
         bad = {name: w for name, w in cfg.data.tasks.items() if not w > 0}

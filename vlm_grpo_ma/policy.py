@@ -299,6 +299,16 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
     return ids, mask
 
 
+def _right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Tree sampling
 
@@ -601,14 +611,9 @@ def sequence_logprobs(
     device = policy.device
     width_prompt = [len(prompts[p].input_ids) for p in row_prompt]
     lengths = [len(c) for c in completions]
-    width = max(a + b for a, b in zip(width_prompt, lengths, strict=False))
     n = len(completions)
-    ids = torch.full((n, width), policy.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for r, (p, completion) in enumerate(zip(row_prompt, completions, strict=False)):
-        row = prompts[p].input_ids + list(completion)
-        ids[r, : len(row)] = torch.tensor(row)  # right padding: every row starts at position 0
-        mask[r, : len(row)] = 1
+    # right padding: every row starts at position 0
+    ids, mask = _right_pad([prompts[p].input_ids + list(c) for p, c in zip(row_prompt, completions, strict=True)], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     used = sorted(set(row_prompt))
     vision, _ = _encode_images(policy, [prompts[p] for p in used])
@@ -629,21 +634,9 @@ def sequence_logprobs(
     gather_at, valid = gather_at.to(device), valid.to(device)
     picked = hidden.gather(1, gather_at[..., None].expand(-1, -1, hidden.shape[-1]))  # [N, T, H]
     logits = policy.model.lm_head(picked)  # only completion positions: saves an [N, L, V] tensor
-    targets = torch.zeros((n, longest), dtype=torch.long)
-    for r, completion in enumerate(completions):
-        targets[r, : lengths[r]] = torch.tensor(list(completion), dtype=torch.long)
+    targets, _ = _right_pad(completions, 0)
     logprobs = _policy_logprobs(logits, temperature, policy.suppressed_token_ids).gather(-1, targets.to(device)[..., None]).squeeze(-1)
     return logprobs.masked_fill(~valid, 0.0)
-
-
-def _right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-        mask[i, : len(r)] = 1
-    return ids, mask
 
 
 def _continue_block(policy: Policy, cache, mask: torch.Tensor, next_position: torch.Tensor, rows: Sequence[Sequence[int]]):
