@@ -186,9 +186,24 @@ def test_stats_are_detached_sums():
     _, stats = policy_loss(
         logprobs, old, advantages, weights, **CLIP, total_weight=1.0, kl_coef=0.1, ref_logprobs=ref
     )
-    assert set(stats) == {"clip_fraction_sum", "kl_sum", "weight_sum"}
+    assert set(stats) == {"clip_fraction_sum", "kl_sum", "nll_sum", "pg_loss_sum", "log_ratio_abs_max", "weight_sum"}
     for value in stats.values():
         assert value.ndim == 0 and value.is_floating_point() and not value.requires_grad
+
+
+def test_model_dependent_stats_hand_values():
+    """nll and pg_loss depend on the log-probs themselves (the surrogate at ratio 1 does not); the largest
+    |log-ratio| skips the padding position (0.7 there, above ln 2)."""
+    logprobs, old, ref, advantages, weights = hand_batch()
+    _, stats = policy_loss(logprobs, old, advantages, weights, **CLIP, total_weight=1.0)
+    ln15 = math.log(1.5)
+    # trained log-probs: -1 + ln 1.5, -2 - ln 2, -0.5 with weights 1, 0.5, 1
+    close(stats["nll_sum"], 2.5 - ln15 + 0.5 * LN2)
+    # -(1 * (-1 + ln 1.5) + 0.5 * (-1) * (-2 - ln 2) + 1 * 2 * (-0.5))
+    close(stats["pg_loss_sum"], 1.0 - ln15 - 0.5 * LN2)
+    close(stats["log_ratio_abs_max"], LN2)
+    _, at_ratio_one = policy_loss(logprobs, logprobs.detach(), advantages, weights, **CLIP, total_weight=1.0)
+    assert at_ratio_one["log_ratio_abs_max"] == 0
 
 
 def micro_batches(tensors, sizes):
@@ -216,7 +231,10 @@ def test_micro_batches_sum_to_full_batch_loss_and_gradient(kl_coef):
         loss.backward()  # gradient accumulation, as the trainer does it
         summed_loss += loss.detach()
         for name in stats:
-            summed_stats[name] += stats[name]
+            if name.endswith("_max"):  # a maximum over micro-batches, not a sum
+                summed_stats[name] = torch.maximum(summed_stats[name], stats[name])
+            else:
+                summed_stats[name] += stats[name]
 
     close(summed_loss, full_loss.detach())
     torch.testing.assert_close(micro_logprobs.grad, full_logprobs.grad, **TOL)

@@ -48,7 +48,9 @@ class RolloutConfig:
     max_answer_tokens: int = 24
     temperature: float = 1.0
     top_p: float = 1.0
-    truncated_thoughts: str = "close"  # close: force "</think>" and score normally; zero: force it, score 0
+    # A thought that reaches max_thought_tokens gets a forced "</think>". close: its answers are scored and trained
+    # normally; zero: its answers score 0 (the thought's penalty) and are not trained on (rollout.answers_void).
+    truncated_thoughts: str = "close"
     thought_stop: str = "</think>"
     answer_stop: str = "</answer>"
     reward_workers: int = 8  # threads scoring answers (code rewards wait on sandboxed processes)
@@ -67,7 +69,13 @@ class AlgorithmConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28  # asymmetric ("clip-higher", DAPO arXiv 2503.14476)
     kl_coef: float = 0.0  # > 0 loads a frozen reference policy and adds k3 KL
-    num_iterations: int = 1  # policy updates per rollout; > 1 reuses it with importance ratios
+    # policy updates per rollout. With 1 the importance ratio is exactly 1 and clip_low/clip_high have no effect;
+    # > 1 reuses the rollout and the ratio and clipping act from the second update on.
+    num_iterations: int = 1
+    # How the step's tokens are weighted (loss.LOSS_AGGREGATIONS). token: one mean over every trained token (thought
+    # and answer tokens alike; the thoughts' gradient share falls as M grows). sequence: each thought averaged over
+    # its tokens, then over the step's thoughts; each answer likewise; the two parts summed.
+    loss_aggregation: str = "token"
 
 
 @dataclass
@@ -91,6 +99,7 @@ class TrainConfig:
     # The embedded run (B = 16): 2e-4. At 3e-4 its held-out IoU fell from 0.351 to 0.274 by step 125; at 4e-4 and
     # 6e-4 its boxes collapsed to a few stock positions. (B = 4 had collapsed from 3e-4, learned at 1e-4.)
     learning_rate: float = 2e-4
+    optimizer: str = "adamw"  # adamw, or sgd (plain, no momentum: used by the equivalence checks)
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -145,6 +154,8 @@ CHOICES = {
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "rollout.truncated_thoughts": ("close", "zero"),
     "algorithm.answer_baseline": ("prompt", "thought"),
+    "algorithm.loss_aggregation": ("token", "sequence"),
+    "train.optimizer": ("adamw", "sgd"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
 }

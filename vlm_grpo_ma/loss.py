@@ -1,4 +1,4 @@
-"""The GRPO / GRPO-MA policy loss: clipped surrogate, k3 KL estimator, token-level aggregation.
+"""The GRPO / GRPO-MA policy loss: clipped surrogate, k3 KL estimator, and how tokens are aggregated.
 
 Pure tensor functions; numbers in, tensors out, never a config object. Shapes: ``N`` sequences (rows) in a
 micro-batch, ``T`` token positions per row. Every per-token input is ``[N, T]``: log-probs of the sampled
@@ -6,14 +6,26 @@ tokens under the current policy (with grad), under the sampling policy (``old``)
 policy (``ref``), the per-token advantage (already broadcast: thought tokens carry their thought's
 advantage, answer tokens their answer's), and a float token weight.
 
-Aggregation is token-level over the *whole optimisation step* (DAPO, arXiv 2503.14476, "token-level policy
-gradient loss"): every counted token of the step has the same weight in the mean, whatever its sequence's
-length or micro-batch. The caller passes ``total_weight`` = the sum of token weights over all micro-batches
-of the step, so the micro-batch losses add up to the full-batch loss exactly and gradient accumulation is
-the same computation as one big batch.
+The objective of one optimisation step is ``sum over trained tokens of w * (surrogate + kl_coef * k3)``, where
+the per-token weights ``w`` come from a loss aggregation (``LOSS_AGGREGATIONS``, chosen by
+``algorithm.loss_aggregation``) and are normalised over the *whole step* (every micro-batch, every process):
+
+- ``token``: one mean over every trained token of the step (DAPO, arXiv 2503.14476, "token-level policy
+  gradient loss"). A token's weight does not depend on its sequence's length; thought and answer tokens share
+  one mean, so the thoughts' share of the gradient is their share of the tokens, which falls as M grows.
+- ``sequence``: GRPO as published (DeepSeekMath): each sequence's tokens are averaged over that sequence, then
+  sequences are averaged. In GRPO-MA the thoughts and the answers are two kinds of sequence: each thought's
+  tokens are averaged over the thought and the K thoughts of the step averaged; each answer's tokens over the
+  answer and the K*M answers averaged; the two parts are summed. Thoughts then get half the gradient mass
+  whatever M is.
+
+Because the weights are normalised over the step, micro-batch losses add up to the full-batch loss exactly and
+gradient accumulation is the same computation as one big batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -105,20 +117,24 @@ def policy_loss(
 
     Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``token_weights``, ``ref_logprobs``: ``[N, T]``.
 
-    - ``token_weights``: float ``[N, T]``; 0 on prompt and padding positions. Weights need not be 0/1: the
-      caller uses them so each thought's tokens count once, not M times, when a thought is repeated in front
-      of each of its M answers (e.g. weight 1/M on each copy, or 1 on one copy and 0 on the others).
-    - ``total_weight``: the sum of ``token_weights`` over *all* micro-batches of the optimisation step
-      (> 0). Then the micro-batch losses sum to the full-batch loss; backward on each and the accumulated
-      gradient is the full-batch gradient. Under data parallelism that averages gradients over W ranks,
-      pass the global sum divided by W.
+    - ``token_weights``: float ``[N, T]``; 0 on prompt and padding positions and on a thought's copies
+      after the first (a thought repeated in front of each of its M answers counts once). The trainer passes
+      ``aggregation_weights(...)``, already normalised over the whole step.
+    - ``total_weight``: what the weighted sum is divided by (> 0): 1 for weights already normalised over the
+      step; for 0/1 weights, their sum over *all* micro-batches of the step (a token mean). Either way the
+      micro-batch losses sum to the full-batch loss, and backward on each accumulates the full-batch gradient.
+      Under data parallelism that averages gradients over W ranks, pass the value divided by W.
     - ``kl_coef`` > 0 needs ``ref_logprobs``; the k3 term is added per token before weighting. When
       ``ref_logprobs`` is given, ``kl_sum`` is reported even with ``kl_coef=0`` (monitoring only).
 
-    Returns ``(loss, stats)``; ``stats`` holds detached sums (not means) so the caller can add them over
-    micro-batches (and ranks) and divide once by ``weight_sum``:
-    ``clip_fraction_sum`` (weighted count of clipped tokens), ``kl_sum`` (weighted sum of k3; 0 without
-    ``ref_logprobs``), ``weight_sum`` (sum of ``token_weights``).
+    Returns ``(loss, stats)``; ``stats`` holds detached weighted sums (not means) so the caller can add them
+    over micro-batches (and ranks) and divide once by ``weight_sum``:
+    ``clip_fraction_sum`` (clipped tokens), ``kl_sum`` (k3; 0 without ``ref_logprobs``), ``nll_sum``
+    (-logprobs: how likely the current policy finds the sampled tokens), ``pg_loss_sum`` (``-A * logprobs``:
+    the policy-gradient loss in REINFORCE form. With one update per rollout the ratio is 1, so the surrogate's
+    value is ``-A`` whatever the model, while this one depends on it and has the same gradient),
+    ``log_ratio_abs_max`` (max |logprobs - old_logprobs| over trained tokens: 0 at the first update of a step
+    when old and new log-probs come from one computation) and ``weight_sum`` (sum of ``token_weights``).
 
     Decision: positions with weight 0 are replaced by 0 in every input before any arithmetic, so a -inf or
     NaN log-prob (or advantage) on a padding position cannot turn the sum into NaN (0 * inf = NaN); those
@@ -130,7 +146,7 @@ def policy_loss(
         raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logprobs (the reference policy's token log-probs)")
     if isinstance(total_weight, (int, float)) and not total_weight > 0:
         raise ValueError(
-            f"total_weight (the step's summed token weights) must be > 0, got {total_weight}; "
+            f"total_weight (the step loss's normaliser) must be > 0, got {total_weight}; "
             "skip steps with no counted tokens"
         )
     named = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
@@ -166,12 +182,66 @@ def policy_loss(
     loss = (token_weights * per_token).sum() / total_weight
 
     with torch.no_grad():
-        weight_sum = token_weights.detach().sum()
+        weights = token_weights.detach()
+        weight_sum = weights.sum()
+        new = logprobs.detach()
         stats = {
-            "clip_fraction_sum": (token_weights.detach() * clipped.to(token_weights.dtype)).sum(),
-            "kl_sum": (token_weights.detach() * kl.detach()).sum()
-            if kl is not None
-            else torch.zeros_like(weight_sum),
+            "clip_fraction_sum": (weights * clipped.to(weights.dtype)).sum(),
+            "kl_sum": (weights * kl.detach()).sum() if kl is not None else torch.zeros_like(weight_sum),
+            "nll_sum": -(weights * new).sum(),
+            "pg_loss_sum": -(weights * neutralise(advantages) * new).sum(),
+            "log_ratio_abs_max": (new - neutralise(old_logprobs)).abs().max() if new.numel() else torch.zeros(()),
             "weight_sum": weight_sum,
         }
     return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loss aggregations: per-token weights of one micro-batch, normalised over the whole step.
+#
+# Every aggregation takes ``token_mask`` [N, T] (1 on a trained token: a sampled token counted on this row;
+# a thought's tokens are counted on one of its M rows only) and ``is_thought`` [N, T] (bool), plus the step's
+# totals over all micro-batches and processes: ``num_tokens`` (trained tokens), ``num_thoughts`` (B * K) and
+# ``num_answers`` (B * K * M). It returns weights [N, T] that sum, over the whole step, to the number of parts
+# of the objective (1 for ``token``; at most 2 for ``sequence``, thought part + answer part).
+
+
+def token_mean_weights(
+    token_mask: torch.Tensor, is_thought: torch.Tensor, *, num_tokens: float, num_thoughts: int, num_answers: int
+) -> torch.Tensor:
+    """``token``: every trained token of the step weighs ``1 / num_tokens``. Shapes: [N, T] -> [N, T]."""
+    if not num_tokens > 0:
+        raise ValueError(f"num_tokens (trained tokens in the step) must be > 0, got {num_tokens}")
+    return token_mask.to(torch.float64) / num_tokens  # [N, T]
+
+
+def sequence_mean_weights(
+    token_mask: torch.Tensor, is_thought: torch.Tensor, *, num_tokens: float, num_thoughts: int, num_answers: int
+) -> torch.Tensor:
+    """``sequence``: a thought token weighs ``1 / (its thought's trained tokens * num_thoughts)``, an answer
+    token ``1 / (its answer's trained tokens * num_answers)``. Shapes: [N, T] -> [N, T].
+
+    A thought's trained tokens all sit on one row (the caller counts a thought once), so a row's thought
+    tokens are that thought's. A sequence with no trained token (an answer after a thought that ended the
+    turn) still counts in ``num_thoughts`` / ``num_answers``: it is a member of its group whose loss is 0."""
+    if num_thoughts <= 0 or num_answers <= 0:
+        raise ValueError(f"num_thoughts and num_answers must be > 0, got {num_thoughts} and {num_answers}")
+    mask = token_mask.to(torch.float64)  # [N, T]
+    thought_mask = mask * is_thought  # [N, T]
+    answer_mask = mask * ~is_thought  # [N, T]
+    thought_tokens = thought_mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [N, 1]
+    answer_tokens = answer_mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [N, 1]
+    return thought_mask / (thought_tokens * num_thoughts) + answer_mask / (answer_tokens * num_answers)  # [N, T]
+
+
+LOSS_AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "token": token_mean_weights,
+    "sequence": sequence_mean_weights,
+}
+
+
+def aggregation_weights(name: str, token_mask: torch.Tensor, is_thought: torch.Tensor, **totals) -> torch.Tensor:
+    """The weights of loss aggregation ``name`` (see ``LOSS_AGGREGATIONS``); an unknown name lists the known ones."""
+    if name not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {name!r}; known: {', '.join(LOSS_AGGREGATIONS)}")
+    return LOSS_AGGREGATIONS[name](token_mask, is_thought, **totals)

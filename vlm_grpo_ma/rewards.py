@@ -79,11 +79,9 @@ def score_rollout(
             counters["reward_errors"] += 1
             if counters["reward_errors"] == 1:
                 log.warning("reward of task %s raised %r on sample %s; scored 0", task.name, error, sample.id)
-        if tree.thought_ended_turn[t]:
+        if rollout.answers_void(t, truncated_thoughts):  # scored 0 by rule (and not trained on: batch.py)
             reward = 0.0
-            counters["answers_after_ended_turn"] += 1
-        elif tree.thought_truncated[t] and truncated_thoughts == "zero":
-            reward = 0.0
+            counters["answers_after_ended_turn"] += int(tree.thought_ended_turn[t])
         parts["reward"] = reward
         flat_rewards.append(reward)
         flat_parts.append(parts)

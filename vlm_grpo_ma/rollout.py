@@ -30,6 +30,15 @@ class Rollout:
     def answer_row(self, b: int, k: int, m: int) -> int:
         return self.thought_row(b, k) * self.num_answers + m
 
+    def answers_void(self, thought_row: int, truncated_thoughts: str) -> bool:
+        """Whether the answers after thought ``thought_row`` are scored 0 by rule rather than by their task,
+        and so are not trained on: the thought ended the model's turn (its answers continue past the end of
+        the turn), or it was truncated and ``truncated_thoughts == "zero"`` (the 0 is the thought's penalty for
+        running out of tokens; it says nothing about the answers, so their tokens get no gradient from it).
+        The thought's own tokens still are trained: their advantage carries the penalty."""
+        tree = self.tree
+        return tree.thought_ended_turn[thought_row] or (truncated_thoughts == "zero" and tree.thought_truncated[thought_row])
+
     def indices(self, answer_row: int) -> tuple[int, int, int]:
         """(prompt b, thought k, answer m) of an answer row."""
         thought_row, m = divmod(answer_row, self.num_answers)

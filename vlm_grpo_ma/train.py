@@ -7,6 +7,7 @@ advantages, build the batch, update over micro-batches, log, checkpoint. Helpers
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -27,7 +28,7 @@ from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
 from vlm_grpo_ma.data import PromptStream, TaskMixture
 from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
-from vlm_grpo_ma.loss import policy_loss
+from vlm_grpo_ma.loss import aggregation_weights, policy_loss
 from vlm_grpo_ma.metrics import RunLogger, format_summary, read_metrics, summarize
 from vlm_grpo_ma.policy import (
     CompletionScorer,
@@ -35,7 +36,6 @@ from vlm_grpo_ma.policy import (
     ImageLoadError,
     Policy,
     SamplingSettings,
-    completion_logprobs,
     count_parameters,
     encode_prompt,
     load_policy,
@@ -48,7 +48,17 @@ from vlm_grpo_ma.rollout import Rollout, generate_rollout
 log = logging.getLogger("vlm_grpo_ma.train")
 
 
+def make_optimizer(parameters, cfg: Config) -> torch.optim.Optimizer:
+    if cfg.train.optimizer == "sgd":  # plain SGD: the update is the gradient times the learning rate
+        return torch.optim.SGD(parameters, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    return torch.optim.AdamW(
+        parameters, lr=cfg.train.learning_rate, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2), weight_decay=cfg.train.weight_decay
+    )
+
+
 def make_scheduler(optimizer, cfg: Config):
+    """The learning rate of step s (0-based) is learning_rate * factor(s): linear warmup over warmup_steps,
+    then constant, linear decay to 0 at train.steps, or cosine decay."""
     total, warmup = cfg.train.steps, cfg.train.warmup_steps
 
     def factor(step: int) -> float:
@@ -92,8 +102,16 @@ class UpdateGuard:
     weights_changed: bool = False
 
 
+def score_rows(scorer: torch.nn.Module, micro: TrainBatch, prompts: list[EncodedPrompt], accelerator, temperature: float) -> torch.Tensor:
+    """Log-probs [n, T] (fp32) of a micro-batch's rows: the one path for the trained, the old (sampling-policy)
+    and the reference log-probs, so all three are computed by the same code under the same precision
+    (``train.mixed_precision``). Old and reference log-probs call it under ``torch.no_grad()``."""
+    with accelerator.autocast():
+        logprobs = scorer(prompts, micro.row_prompt, micro.completion_ids, micro.thought_lengths(), temperature=temperature)
+    return logprobs.float()
+
+
 def update_policy(
-    policy: Policy,
     scorer: torch.nn.Module,
     batch: TrainBatch,
     prompts: list[EncodedPrompt],
@@ -103,31 +121,39 @@ def update_policy(
     reference,
     guard: UpdateGuard | None = None,
 ) -> dict[str, float]:
-    """One optimiser step over micro-batches; token-level mean over the whole step (see loss.policy_loss).
+    """``algorithm.num_iterations`` optimiser steps on one rollout, each over micro-batches.
 
     ``scorer`` is ``CompletionScorer(policy)`` as ``accelerator.prepare`` returned it (DDP-wrapped with
-    several processes, which then average gradients): each process divides its loss by the global token
-    weight over the number of processes, so the averaged gradient is the one-process gradient of the global
-    batch."""
-    local_weight = torch.tensor(batch.total_weight(), dtype=torch.float64, device=accelerator.device)
-    total_weight = float(accelerator.reduce(local_weight, reduction="sum")) / accelerator.num_processes
-    stats = Counter()
+    several processes, which then average gradients). Token weights come from the loss aggregation normalised
+    over the whole step on every process; each process's loss is scaled by 1 / num_processes, so the averaged
+    gradient is the one-process gradient of the global batch."""
+    num_processes = accelerator.num_processes
+    local_tokens = torch.tensor(batch.num_trained_tokens(), dtype=torch.float64, device=accelerator.device)
+    totals = {
+        "num_tokens": float(accelerator.reduce(local_tokens, reduction="sum")),
+        "num_thoughts": cfg.train.prompts_per_step * cfg.rollout.num_thoughts,
+        "num_answers": cfg.train.prompts_per_step * cfg.answers_per_prompt,
+    }
+    micro_batches = [batch.rows(start, start + cfg.train.micro_batch_rows) for start in range(0, batch.num_rows, cfg.train.micro_batch_rows)]
+    loss_weights = [
+        aggregation_weights(cfg.algorithm.loss_aggregation, micro.token_mask, micro.is_thought, **totals).float()
+        for micro in micro_batches
+    ]
+    temperature = cfg.rollout.temperature
     old_logprobs = None
-    if cfg.algorithm.num_iterations > 1:
+    if cfg.algorithm.num_iterations > 1:  # the rollout is reused: freeze the sampling policy's log-probs first
         with torch.no_grad():
-            old_logprobs = _logprobs_in_chunks(policy, batch, prompts, cfg)
-    grad_norms = []
-    for _ in range(cfg.algorithm.num_iterations):
+            old_logprobs = [score_rows(scorer, micro, prompts, accelerator, temperature) for micro in micro_batches]
+    stats, grad_norms = Counter(), []
+    for iteration in range(cfg.algorithm.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        for start in range(0, batch.num_rows, cfg.train.micro_batch_rows):
-            micro = batch.rows(start, start + cfg.train.micro_batch_rows)
-            thought_lengths = micro.thought_lengths()
-            logprobs = scorer(prompts, micro.row_prompt, micro.completion_ids, thought_lengths, temperature=cfg.rollout.temperature)
+        for index, micro in enumerate(micro_batches):
+            logprobs = score_rows(scorer, micro, prompts, accelerator, temperature)
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
-            old = logprobs.detach() if old_logprobs is None else old_logprobs[start : start + micro.num_rows, : logprobs.shape[1]]
-            ref = reference(prompts, micro.row_prompt, micro.completion_ids, thought_lengths) if reference is not None else None
-            weights = micro.token_weights.to(device)
+            old = logprobs.detach() if old_logprobs is None else old_logprobs[index]
+            ref = reference(micro, prompts, accelerator, temperature) if reference is not None else None
+            weights = loss_weights[index].to(device)
             loss, micro_stats = policy_loss(
                 logprobs,
                 old.to(device),
@@ -135,40 +161,44 @@ def update_policy(
                 weights,
                 clip_low=cfg.algorithm.clip_low,
                 clip_high=cfg.algorithm.clip_high,
-                total_weight=total_weight,
+                total_weight=1.0 / num_processes,
                 kl_coef=cfg.algorithm.kl_coef,
                 ref_logprobs=ref,
             )
             accelerator.backward(loss)
+            if iteration == 0:  # what the update of the fresh rollout saw (the sampling policy's view)
+                stats["first_update_log_ratio_max"] = max(stats["first_update_log_ratio_max"], float(micro_stats.pop("log_ratio_abs_max")))
+                stats["thought_weight_sum"] += float((weights * micro.is_thought.to(device)).sum())
+            micro_stats.pop("log_ratio_abs_max", None)
             stats["loss"] += float(loss.detach())
             for key, value in micro_stats.items():
                 stats[key] += float(value)
-            mismatch = ((logprobs.detach().cpu() - micro.sampling_logprobs).abs() * (micro.token_weights > 0)).max()
+            mismatch = ((logprobs.detach().cpu() - micro.sampling_logprobs).abs() * (micro.token_mask > 0)).max()
             stats["logprob_mismatch_max"] = max(stats["logprob_mismatch_max"], float(mismatch))
-        grad_norms.append(float(accelerator.clip_grad_norm_(lora.trainable_parameters(policy.model), cfg.train.max_grad_norm)))
+        grad_norms.append(float(accelerator.clip_grad_norm_(lora.trainable_parameters(scorer_model(scorer)), cfg.train.max_grad_norm)))
         if guard is not None:
             guard.weights_changed = True
         optimizer.step()
-    weight_sum = max(stats["weight_sum"], 1e-12)
+    iterations = cfg.algorithm.num_iterations
+    weight_sum = max(stats["weight_sum"], 1e-30)  # summed over every iteration
     return {
-        "train/loss": stats["loss"] / cfg.algorithm.num_iterations,
+        # per process: the loss is scaled by num_processes and pg_loss_sum is not; the mean over processes
+        # (mean_over_processes) of both is then the whole step's figure
+        "train/loss": stats["loss"] / iterations,
+        "train/pg_loss": stats["pg_loss_sum"] * num_processes / iterations,
+        "train/nll": stats["nll_sum"] / weight_sum,
         "train/grad_norm": grad_norms[-1],
         "train/clip_fraction": stats["clip_fraction_sum"] / weight_sum,
         "train/kl": stats["kl_sum"] / weight_sum,
+        "train/first_update_log_ratio_max": stats["first_update_log_ratio_max"],
+        "train/thought_weight_share": stats["thought_weight_sum"] / max(stats["weight_sum"] / iterations, 1e-30),
         "train/logprob_mismatch_max": stats["logprob_mismatch_max"],
     }
 
 
-def _logprobs_in_chunks(policy, batch: TrainBatch, prompts, cfg: Config) -> torch.Tensor:
-    chunks = []
-    for start in range(0, batch.num_rows, cfg.train.micro_batch_rows):
-        micro = batch.rows(start, start + cfg.train.micro_batch_rows)
-        lp = completion_logprobs(
-            policy, prompts, micro.row_prompt, micro.completion_ids, micro.thought_lengths(),
-            temperature=cfg.rollout.temperature, share_prefixes=shares_prefixes(cfg),
-        )  # fmt: skip
-        chunks.append(torch.nn.functional.pad(lp, (0, batch.advantages.shape[1] - lp.shape[1])))
-    return torch.cat(chunks)
+def scorer_model(scorer: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a (possibly DDP-wrapped) CompletionScorer."""
+    return getattr(scorer, "module", scorer).model
 
 
 def _nan_mean(values: torch.Tensor) -> float:
@@ -203,7 +233,7 @@ def rollout_metrics(rollout: Rollout, scored: ScoredRollout, thought_adv: torch.
 
 
 def timing_metrics(rollout: Rollout, batch: TrainBatch, step_seconds: float, rollout_seconds: float) -> dict:
-    trained_tokens = float(batch.token_weights.sum())
+    trained_tokens = float(batch.num_trained_tokens())
     generated_tokens = sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
     metrics = {
         "time/step_seconds": step_seconds,
@@ -309,26 +339,23 @@ def shares_prefixes(cfg: Config) -> bool:
     return not cfg.model.gradient_checkpointing
 
 
-def make_reference(policy: Policy, cfg: Config, device):
-    """``reference(prompts, row_prompt, completions, thought_lengths)`` -> log-probs of the frozen reference policy (KL term),
-    or None without KL. With LoRA the reference is the model with its adapters switched off (no second
-    copy in memory); otherwise a frozen copy of ``model.name_or_path``."""
+def make_reference(policy: Policy, scorer: torch.nn.Module, cfg: Config, device):
+    """``reference(micro, prompts, accelerator, temperature)`` -> log-probs of the frozen reference policy (KL
+    term), or None without KL; computed by ``score_rows`` like the trained log-probs. With LoRA the reference
+    is the trained scorer with its adapters switched off (no second copy in memory); otherwise a frozen copy of
+    ``model.name_or_path``, loaded as the policy was."""
     if cfg.algorithm.kl_coef == 0:
         return None
-    how = {"temperature": cfg.rollout.temperature, "share_prefixes": shares_prefixes(cfg)}
     if policy.adapter is not None:
+        reference_scorer, switch = scorer, lambda: lora.adapters_disabled(policy)
+    else:
+        frozen = load_model_policy(cfg, cfg.model.name_or_path, device)
+        frozen.model.eval().requires_grad_(False)
+        reference_scorer, switch = CompletionScorer(frozen, share_prefixes=shares_prefixes(cfg)), contextlib.nullcontext
 
-        def reference(prompts, row_prompt, completions, thought_lengths):
-            with torch.no_grad(), lora.adapters_disabled(policy):
-                return completion_logprobs(policy, prompts, row_prompt, completions, thought_lengths, **how)
-
-        return reference
-    frozen = load_policy(cfg.model.name_or_path, dtype=cfg.model.dtype, device=device)
-    frozen.model.eval().requires_grad_(False)
-
-    def reference(prompts, row_prompt, completions, thought_lengths):
-        with torch.no_grad():
-            return completion_logprobs(frozen, prompts, row_prompt, completions, thought_lengths, **how)
+    def reference(micro: TrainBatch, prompts, accelerator, temperature: float) -> torch.Tensor:
+        with torch.no_grad(), switch():
+            return score_rows(reference_scorer, micro, prompts, accelerator, temperature)
 
     return reference
 
@@ -394,6 +421,11 @@ def make_accelerator(cfg: Config):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
+    from accelerate.state import AcceleratorState
+
+    # train() may run several times in one process (a notebook, a sweep) with another mixed precision:
+    # accelerate keeps it in a process-wide singleton, so forget that (not the process group, PartialState).
+    AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         mixed_precision=cfg.train.mixed_precision,
@@ -416,15 +448,11 @@ def make_accelerator(cfg: Config):
     return accelerator
 
 
-def load_training_policy(cfg: Config, run_dir: Path, resume: bool, device) -> tuple[Policy, Path | None]:
-    """The policy to train: ``model.name_or_path``, or with ``resume`` the newest checkpoint's model (which
-    may be a LoRA adapter over its base); LoRA and frozen parts configured. Returns it and that checkpoint."""
-    last = ckpt.latest_checkpoint(run_dir) if resume else None
-    if resume and last is None:
-        log.info("--resume: no checkpoint in %s, starting from step 0", run_dir)
-    model_path = str(last / "model") if last is not None else cfg.model.name_or_path
+def load_model_policy(cfg: Config, model_path: str, device) -> Policy:
+    """A model as ``cfg.model`` says to load it (dtype, attention, image bounds): the trained policy and the
+    frozen KL reference load through here, so they compute alike."""
     try:
-        policy = load_policy(
+        return load_policy(
             model_path,
             dtype=cfg.model.dtype,
             attn_implementation=cfg.model.attn_implementation,
@@ -434,6 +462,16 @@ def load_training_policy(cfg: Config, run_dir: Path, resume: bool, device) -> tu
         )
     except (FileNotFoundError, ValueError) as error:  # a missing folder, an unsupported model family
         raise ConfigError(f"model.name_or_path={model_path}: {error}") from error
+
+
+def load_training_policy(cfg: Config, run_dir: Path, resume: bool, device) -> tuple[Policy, Path | None]:
+    """The policy to train: ``model.name_or_path``, or with ``resume`` the newest checkpoint's model (which
+    may be a LoRA adapter over its base); LoRA and frozen parts configured. Returns it and that checkpoint."""
+    last = ckpt.latest_checkpoint(run_dir) if resume else None
+    if resume and last is None:
+        log.info("--resume: no checkpoint in %s, starting from step 0", run_dir)
+    model_path = str(last / "model") if last is not None else cfg.model.name_or_path
+    policy = load_model_policy(cfg, model_path, device)
     policy.model.train()
     policy.model.config.use_cache = True
     if cfg.model.gradient_checkpointing:
@@ -494,15 +532,12 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     policy, last = load_training_policy(cfg, run_dir, resume, accelerator.device)
     history_state = ckpt.load_training_state(last) if last is not None else None
     start_step = history_state["step"] if history_state is not None else 0
-    reference = make_reference(policy, cfg, accelerator.device)
-    optimizer = torch.optim.AdamW(
-        lora.trainable_parameters(policy.model),
-        lr=cfg.train.learning_rate,
-        betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
-        weight_decay=cfg.train.weight_decay,
-    )
+    optimizer = make_optimizer(lora.trainable_parameters(policy.model), cfg)
+    # The scheduler stays out of accelerator.prepare: a prepared scheduler steps once per process at every
+    # step() (N processes: the schedule runs N times too fast). It is stepped once per training step here.
     scheduler = make_scheduler(optimizer, cfg)
-    scorer, optimizer, scheduler = accelerator.prepare(CompletionScorer(policy, share_prefixes=shares_prefixes(cfg)), optimizer, scheduler)
+    scorer, optimizer = accelerator.prepare(CompletionScorer(policy, share_prefixes=shares_prefixes(cfg)), optimizer)
+    reference = make_reference(policy, scorer, cfg, accelerator.device)
     if history_state is not None:
         optimizer.load_state_dict(history_state["optimizer"])
         scheduler.load_state_dict(history_state["scheduler"])
@@ -599,9 +634,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                 eps=cfg.algorithm.eps,
                 unbiased=cfg.algorithm.std_unbiased,
             )
-            batch = build_train_batch(rollout, thought_adv, answer_adv)
+            batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts=cfg.rollout.truncated_thoughts)
             policy.model.train()
-            update = update_policy(policy, scorer, batch, prompts, cfg, accelerator, optimizer, reference, guard)
+            learning_rate = scheduler.get_last_lr()[0]  # the rate this step's update uses
+            update = update_policy(scorer, batch, prompts, cfg, accelerator, optimizer, reference, guard)
             scheduler.step()
             step += 1
             guard.weights_changed = False
@@ -612,7 +648,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             metrics.update(timing_metrics(rollout, batch, time.perf_counter() - started, rollout_seconds))
             metrics.update(
                 {
-                    "train/learning_rate": scheduler.get_last_lr()[0],
+                    "train/learning_rate": learning_rate,
                     "data/epoch": stream.epoch,
                     **{f"count/{k}": v for k, v in counters.items()},
                 }
