@@ -1,13 +1,20 @@
 """Two processes train what one process trains: the data-parallel equivalence check (CPU, gloo).
 
-Runs the same short GRPO-MA run (same seed, same global batch of prompts) twice on a freshly initialised
-tiny model: once as one process, once as two processes under ``accelerate launch`` (DDP over gloo), then
-prints the largest difference between the two runs' final weights, next to how far training moved them.
+Runs the same short GRPO-MA run (same seed, same global batch of prompts, warmup then linear decay of the
+learning rate) on a freshly initialised tiny model: once as one process, once as two processes under
+``accelerate launch`` (DDP over gloo), with AdamW and with plain SGD. It prints, per step, the learning rate
+and grad norm each run logged, and the largest difference between the runs' final weights, next to how far
+training moved them; then the same for a two-process run stopped a step early and resumed.
 
     .venv/bin/python scripts/check_two_process.py [--steps 3] [--keep DIR]
 
-Exit status 0 when the difference is at most --tolerance (1e-5), else 1. The run uses a reward every
-untrained sample varies on (answer length), so the weights do move and the comparison means something.
+Why both optimisers and a schedule: AdamW divides the gradient by its running scale, so its weights cannot see a
+constant factor on the gradient (a wrong token normaliser, a gradient summed instead of averaged); SGD's can.
+A constant learning rate cannot show a schedule stepped too often; warmup + decay does, in the logged rate
+and in the weights.
+
+Exit status 0 when every difference is within --tolerance (1e-5; grad norms and rates relative), else 1.
+The run uses a reward every untrained sample varies on (answer length), so the weights do move.
 The launch uses ``configs/accelerate/cpu-2proc.yaml`` (its header says why it names MULTI_GPU: in
 accelerate 1.16 a MULTI_CPU launch goes through mpirun; with no GPU the torchrun workers run on the CPU, gloo).
 """
@@ -15,7 +22,10 @@ accelerate 1.16 a MULTI_CPU launch goes through mpirun; with no GPU the torchrun
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,12 +33,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_MODULE = ROOT / "tests" / "fixtures" / "answer_length_task.py"
+LEARNING_RATES = {"adamw": 1e-3, "sgd": 0.5}  # both move the untrained model's weights by ~1e-3 in 3 steps
 
 
-def run_overrides(model_dir: Path, steps: int) -> list[str]:
+def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
     return [
         f"model.name_or_path={model_dir}",
         f"train.steps={steps}",
+        f"train.optimizer={optimizer}",
+        f"train.learning_rate={LEARNING_RATES[optimizer]}",
+        "train.warmup_steps=1",
+        "train.max_grad_norm=1e6",  # no clipping: a clipped gradient would hide a constant factor from SGD too
+        "train.lr_schedule=linear",
         "train.prompts_per_step=4",
         "train.micro_batch_rows=4",
         "train.num_threads=1",
@@ -70,39 +86,71 @@ def final_weights(run_dir: Path):
     return load_file(latest_checkpoint(run_dir) / "model" / "model.safetensors")
 
 
+def logged(run_dir: Path, key: str) -> list[float]:
+    return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def max_abs_difference(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b):
+        return math.inf
+    return max(abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in zip(a, b, strict=True))
+
+
+def check_optimizer(work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float) -> bool:
+    """One optimiser: one process vs two, and two straight vs two stopped and resumed. Prints the figures."""
+    from safetensors.torch import load_file
+
+    overrides = run_overrides(model_dir, steps, optimizer)
+    one, two, resumed = work / f"{optimizer}-one-process", work / f"{optimizer}-two-processes", work / f"{optimizer}-two-resumed"
+    launch(one, overrides, 1)
+    launch(two, overrides, 2)
+    # stopped a step early: a run with the same train.steps (it fixes the schedule) whose last checkpoint is
+    # removed, so --resume continues from the checkpoint of step steps - 1
+    launch(resumed, [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"], 2)
+    shutil.rmtree(resumed / "checkpoints" / f"step-{steps:06d}")
+    launch(resumed, overrides, 2, resume=True)
+    start = load_file(Path(model_dir) / "model.safetensors")
+    w_one, w_two, w_resumed = final_weights(one), final_weights(two), final_weights(resumed)
+    moved, difference, resume_difference = (
+        max_abs_difference(w_one, start), max_abs_difference(w_one, w_two), max_abs_difference(w_two, w_resumed)
+    )
+    rates = {run: logged(run, "train/learning_rate") for run in (one, two)}
+    norms = {run: logged(run, "train/grad_norm") for run in (one, two)}
+    rate_difference = max_relative_difference(rates[one], rates[two])
+    norm_difference = max_relative_difference(norms[one], norms[two])
+    print(f"{optimizer}: step | learning rate 1 proc, 2 procs | grad norm 1 proc, 2 procs")
+    for step in range(max(len(rates[one]), len(rates[two]))):
+        cells = [values[step] if step < len(values) else math.nan for values in (rates[one], rates[two], norms[one], norms[two])]
+        print(f"  {step + 1} | {cells[0]:.6e} {cells[1]:.6e} | {cells[2]:.6e} {cells[3]:.6e}")
+    print(f"  largest weight change from the start (one process): {moved:.3e}")
+    print(f"  largest weight difference, one vs two processes:    {difference:.3e}")
+    print(f"  learning rate / grad norm, largest relative difference: {rate_difference:.3e} / {norm_difference:.3e}")
+    print(f"  two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
+    return (
+        max(difference, resume_difference, rate_difference, norm_difference) <= tolerance and moved > 10 * tolerance
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="training steps (>= 2)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=sorted(LEARNING_RATES))
     parser.add_argument("--keep", help="keep the runs in this folder (default: a temporary folder)")
     args = parser.parse_args(argv)
-    from safetensors.torch import load_file
-
     from vlm_grpo_ma.tiny import build_untrained
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         model_dir = build_untrained(work / "untrained", seed=0)
-        overrides = run_overrides(model_dir, args.steps)
-        launch(work / "one-process", overrides, 1)
-        launch(work / "two-processes", overrides, 2)
-        # resuming with the same number of processes: stop one step early, then --resume to the end
-        launch(work / "two-processes-resumed", run_overrides(model_dir, args.steps - 1), 2)
-        launch(work / "two-processes-resumed", overrides, 2, resume=True)
-        one, two = final_weights(work / "one-process"), final_weights(work / "two-processes")
-        resumed = final_weights(work / "two-processes-resumed")
-        start = load_file(Path(model_dir) / "model.safetensors")
-        difference, moved = max_abs_difference(one, two), max_abs_difference(one, start)
-        resume_difference = max_abs_difference(two, resumed)
-    print(f"steps: {args.steps}, global batch: 4 prompts x 2 thoughts x 2 answers, seed 0")
-    print(f"largest weight change from the start (one process): {moved:.3e}")
-    print(f"largest weight difference, one vs two processes:    {difference:.3e}  (tolerance {args.tolerance:g})")
-    print(f"two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
-    ok = max(difference, resume_difference) <= args.tolerance and moved > 10 * args.tolerance  # weights moved
+        print(f"steps: {args.steps} (warmup 1, then linear decay), global batch: 4 prompts x 2 thoughts x 2 answers, "
+              f"seed 0, tolerance {args.tolerance:g}")
+        results = [check_optimizer(work, model_dir, args.steps, name, args.tolerance) for name in args.optimizers]
+    ok = all(results)
     print("equivalent" if ok else "NOT equivalent")
     return 0 if ok else 1
 
