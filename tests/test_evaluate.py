@@ -146,7 +146,31 @@ def test_sampling_gives_n_answers_per_prompt_and_pass_at_k(tiny_policy):
     settings = ev.EvalSettings(samples=3, temperature=1.0, max_thought_tokens=6, max_answer_tokens=6)
     metrics, records = ev.evaluate_task(tiny_policy, task, task.load("test")[:2], settings, progress=False)
     assert sorted((r["id"], r["sample_index"]) for r in records) == [(i, k) for i in ("test_00000", "test_00001") for k in range(3)]
-    assert {"pass@1", "pass@2", "pass@3"} <= set(metrics)
+    assert {k: metrics[k] for k in ("pass@1", "pass@2", "pass@3")} == pytest.approx(_brute_force_pass_at_k(task, records, 3))
+
+
+def _brute_force_pass_at_k(task, records, n: int) -> dict[str, float]:
+    """pass@k from the records themselves: per prompt, the share of its k-subsets of answers holding a correct
+    one, averaged over prompts."""
+    by_prompt = {}
+    for r in records:
+        by_prompt.setdefault(r["id"], []).append(r["parts"].get(task.success, 0.0) >= 1.0)
+    result = {}
+    for k in ev.pass_at_k_values(n):
+        shares = [sum(any(s) for s in combinations(v, k)) / len(list(combinations(v, k))) for v in by_prompt.values()]
+        result[f"pass@{k}"] = sum(shares) / len(shares)
+    return result
+
+
+def test_summary_pass_at_k_equals_a_brute_force_count_over_answer_subsets():
+    task = get_task("grounding")
+    correct = {"a": [1, 0, 0, 1], "b": [0, 0, 0, 0], "c": [0, 1, 0, 0], "d": [1, 1, 1, 1]}
+    records = [_record(pid, i, float(c)) for pid, flags in correct.items() for i, c in enumerate(flags)]
+    metrics = ev.summarize_records(task, records, samples_per_prompt=4)
+    expected = _brute_force_pass_at_k(task, records, 4)
+    assert set(expected) == {"pass@1", "pass@2", "pass@4"}
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected, abs=1e-12)
+    assert expected["pass@1"] == pytest.approx((0.5 + 0 + 0.25 + 1) / 4)  # and by hand
 
 
 def test_broken_image_scores_zero_and_is_counted(tiny_policy, tmp_path):
