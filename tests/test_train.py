@@ -47,7 +47,10 @@ def test_run_writes_its_outputs(untrained_tiny_dir, tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for key in ("reward/mean", "reward/iou", "reward/format", "train/loss", "train/grad_norm", "train/clip_fraction",
-                "advantage/thought_reward_spread", "rollout/thought_tokens", "rollout/answer_tokens", "time/step_seconds"):
+                "advantage/thought_reward_spread", "rollout/thought_tokens", "rollout/answer_tokens", "time/step_seconds",
+                "grpo_ma/answer_reward_var", "grpo_ma/thought_value_noise_var", "grpo_ma/thought_value_spread_var",
+                "signal/zero_prompt_groups", "signal/zero_thought_groups", "signal/zero_answer_groups",
+                "train/grad_norm_spike_ratio", "train/thought_weight_share", "train/thought_gradient_share"):
         assert key in records[0], key
     assert records[0]["train/logprob_mismatch_max"] < 1e-4  # training re-scores exactly what was sampled
     dumps = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]

@@ -27,6 +27,7 @@ from vlm_grpo_ma.advantages import grpo_ma_advantages
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
 from vlm_grpo_ma.data import PromptStream, TaskMixture
+from vlm_grpo_ma.diagnostics import GradSpikeMonitor, thought_value_noise, zero_signal_shares
 from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
 from vlm_grpo_ma.loss import aggregation_weights, policy_loss
 from vlm_grpo_ma.metrics import RunLogger, format_summary, read_metrics, summarize
@@ -168,7 +169,12 @@ def update_policy(
             accelerator.backward(loss)
             if iteration == 0:  # what the update of the fresh rollout saw (the sampling policy's view)
                 stats["first_update_log_ratio_max"] = max(stats["first_update_log_ratio_max"], float(micro_stats.pop("log_ratio_abs_max")))
-                stats["thought_weight_sum"] += float((weights * micro.is_thought.to(device)).sum())
+                thought = micro.is_thought.to(device)
+                # at ratio 1, |d loss / d log-prob| = weight * |advantage|: the gradient each token gets
+                push = weights * micro.advantages.to(device).abs()
+                stats["thought_weight_sum"] += float((weights * thought).sum())
+                stats["thought_push_sum"] += float((push * thought).sum())
+                stats["push_sum"] += float(push.sum())
             micro_stats.pop("log_ratio_abs_max", None)
             stats["loss"] += float(loss.detach())
             for key, value in micro_stats.items():
@@ -192,6 +198,7 @@ def update_policy(
         "train/kl": stats["kl_sum"] / weight_sum,
         "train/first_update_log_ratio_max": stats["first_update_log_ratio_max"],
         "train/thought_weight_share": stats["thought_weight_sum"] / max(stats["weight_sum"] / iterations, 1e-30),
+        "train/thought_gradient_share": stats["thought_push_sum"] / stats["push_sum"] if stats["push_sum"] > 0 else math.nan,
         "train/logprob_mismatch_max": stats["logprob_mismatch_max"],
     }
 
@@ -205,7 +212,9 @@ def _nan_mean(values: torch.Tensor) -> float:
     return float(values[~values.isnan()].mean())
 
 
-def rollout_metrics(rollout: Rollout, scored: ScoredRollout, thought_adv: torch.Tensor, tasks: dict[str, Task]) -> dict:
+def rollout_metrics(
+    rollout: Rollout, scored: ScoredRollout, thought_adv: torch.Tensor, answer_adv: torch.Tensor, tasks: dict[str, Task]
+) -> dict:
     """Step metrics. Each task's logged parts are averaged over the answers that have them
     (``reward/iou``); with several tasks every task also gets ``reward/<task>/mean`` and
     ``reward/<task>/<part>`` over its own prompts of the step."""
@@ -226,6 +235,8 @@ def rollout_metrics(rollout: Rollout, scored: ScoredRollout, thought_adv: torch.
     per_thought_mean = scored.rewards.mean(-1)  # [B, K]
     metrics["advantage/thought_reward_spread"] = float(per_thought_mean.std(-1).mean())
     metrics["advantage/thought_abs_mean"] = float(thought_adv.abs().mean())
+    metrics.update({f"grpo_ma/{k}": v for k, v in thought_value_noise(scored.rewards).items()})
+    metrics.update({f"signal/zero_{k}": v for k, v in zero_signal_shares(scored.rewards, thought_adv, answer_adv).items()})
     metrics["rollout/thought_tokens"] = sum(map(len, tree.thought_ids)) / len(tree.thought_ids)
     metrics["rollout/answer_tokens"] = sum(map(len, tree.answer_ids)) / len(tree.answer_ids)
     metrics["rollout/thought_truncated_rate"] = sum(tree.thought_truncated) / len(tree.thought_truncated)
@@ -419,9 +430,8 @@ def make_accelerator(cfg: Config):
     """accelerate's Accelerator for this run (DDP when launched with several processes). Refuses what the
     trainer cannot run and a step that does not split into whole prompt groups per process."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
-
     from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedDataParallelKwargs
 
     # train() may run several times in one process (a notebook, a sweep) with another mixed precision:
     # accelerate keeps it in a process-wide singleton, so forget that (not the process group, PartialState).
@@ -598,7 +608,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
 
     # --- the loop -----------------------------------------------------------------------------------------
     step = start_step
-    completed = {"data": stream.state_dict(), "counters": dict(counters)}
+    spikes = GradSpikeMonitor()
+    if history_state is not None and "spikes" in history_state:
+        spikes.load_state_dict(history_state["spikes"])
+    completed = {"data": stream.state_dict(), "counters": dict(counters), "spikes": spikes.state_dict()}
     guard = UpdateGuard()
     try:
         while step < cfg.train.steps:
@@ -641,10 +654,11 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             scheduler.step()
             step += 1
             guard.weights_changed = False
-            completed = {"data": stream.state_dict(), "counters": dict(counters)}
+            completed = {"data": stream.state_dict(), "counters": dict(counters), "spikes": spikes.state_dict()}
 
-            metrics = rollout_metrics(rollout, scored, thought_adv, tasks)
+            metrics = rollout_metrics(rollout, scored, thought_adv, answer_adv, tasks)
             metrics.update(update)
+            metrics["train/grad_norm_spike_ratio"] = spikes.observe(update["train/grad_norm"])
             metrics.update(timing_metrics(rollout, batch, time.perf_counter() - started, rollout_seconds))
             metrics.update(
                 {
