@@ -32,7 +32,7 @@ def test_time_and_tokens_to_reach_the_reference_level_hand_computed(tmp_path):
     _write_run(grid.run_dir(tmp_path, grid.settings[0], 0), [0.1 * (i + 1) for i in range(10)], 2.0, 100)
     # T4A4: reward 1.0 from the start, 1 s and 60 tokens a step -> the smoothed reward is 1.0 at step 1
     _write_run(grid.run_dir(tmp_path, grid.settings[1], 0), [1.0] * 10, 1.0, 60, noise=0.01, within=0.04)
-    summaries = [study.SettingSummary(s, [study.read_run(grid.run_dir(tmp_path, s, 0), "grounding")]) for s in grid.settings]
+    summaries = [study.SettingSummary(s, [study.read_run(grid.run_dir(tmp_path, s, 0), "grounding", "iou")]) for s in grid.settings]
     reference, grpo_ma = summaries
     assert reference.final_reward() == pytest.approx(0.95)
     # smoothed over 10 steps the reference reaches 0.95 ... never (its trailing mean tops out at 0.55)
@@ -60,10 +60,11 @@ def test_report_table_and_plots(tmp_path):
     assert rows["T4A4"][:6] == ["0.600", "1", "1", "0.50", "50", "0.50"]
     assert rows["T2A8"][3] == "0.75" and rows["T2A8"][5] == "0.80"
     assert rows["T16A1"][8] == "0.100"  # spike score: 1 step of 10 above 2x
-    summaries = [study.SettingSummary(s, [study.read_run(grid.run_dir(tmp_path, s, 0), "grounding")]) for s in grid.settings]
+    summaries = [study.SettingSummary(s, [study.read_run(grid.run_dir(tmp_path, s, 0), "grounding", "iou")]) for s in grid.settings]
     assert [point[:2] for point in study.noise_points(summaries)] == [("T4A4", 4), ("T2A8", 8)]
     assert [point[2] for point in study.noise_points(summaries)] == pytest.approx([0.02, 0.01])
-    for name in ("reward.png", "heldout_iou.png", "noise_vs_m.png", "step_time.png", "spike_score.png"):
+    assert rows["T4A4"][11] == "0.300 -> 0.550"  # held-out IoU: the step-0 evaluation, then steps 5 and 10
+    for name in ("reward.png", "heldout.png", "noise_vs_m.png", "step_time.png", "spike_score.png"):
         assert (tmp_path / name).stat().st_size > 1000, name
         assert f"![{name}]({name})" in report
 

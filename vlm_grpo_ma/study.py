@@ -4,7 +4,8 @@ Runs a grid of K x M settings at a fixed answer budget per prompt (default T16A1
 answers each) over several seeds, every run on the same prompts in the same order (the prompt stream and the
 sampling randomness are functions of the seed), then writes ``report.md`` and PNG plots:
 
-- reward and held-out greedy IoU against steps, wall time and generated tokens, with a band over seeds;
+- reward and the held-out greedy figure (the task's main metric: IoU for grounding) against steps, wall time
+  and generated tokens, with a band over seeds;
 - the thought advantage's estimation noise (``grpo_ma/thought_value_noise_var``) against M on log-log axes,
   with the 1/M line through the measured within-thought reward variance;
 - step time per setting, split into sampling and update;
@@ -137,14 +138,23 @@ class RunCurves:
     noise_var: list[float]
     answer_var: list[float]
     spike_ratios: list[float]
+    thought_tokens: list[float]  # mean per thought, per step
+    answer_tokens: list[float]
     eval_steps: list[int]
-    eval_iou: list[float]
+    eval_value: list[float]  # the task's main held-out metric
 
 
-def read_run(run_dir: Path, task: str) -> RunCurves:
+def held_out_metric(task: str) -> str:
+    """The held-out figure the study plots: the task's main metric (grounding: iou; math: accuracy)."""
+    from vlm_grpo_ma.registry import get_task
+
+    return get_task(task).metrics[0]
+
+
+def read_run(run_dir: Path, task: str, metric: str) -> RunCurves:
     records = read_metrics(run_dir)
     training = [r for r in records if r["step"] > 0 and "reward/mean" in r]
-    evaluations = [r for r in records if f"eval/{task}/iou" in r]
+    evaluations = [r for r in records if f"eval/{task}/{metric}" in r]
     step_seconds = [_value(r, "time/step_seconds") for r in training]
     tokens = [_value(r, "rollout/generated_tokens") for r in training]
     return RunCurves(
@@ -157,8 +167,10 @@ def read_run(run_dir: Path, task: str) -> RunCurves:
         noise_var=[_value(r, "grpo_ma/thought_value_noise_var") for r in training],
         answer_var=[_value(r, "grpo_ma/answer_reward_var") for r in training],
         spike_ratios=[_value(r, "train/grad_norm_spike_ratio") for r in training],
+        thought_tokens=[_value(r, "rollout/thought_tokens") for r in training],
+        answer_tokens=[_value(r, "rollout/answer_tokens") for r in training],
         eval_steps=[r["step"] for r in evaluations],
-        eval_iou=[_value(r, f"eval/{task}/iou") for r in evaluations],
+        eval_value=[_value(r, f"eval/{task}/{metric}") for r in evaluations],
     )
 
 
@@ -220,6 +232,17 @@ class SettingSummary:
     def update_seconds(self) -> float:
         return _mean(s - g for r in self.runs for s, g in zip(r.step_seconds, r.rollout_seconds, strict=True))
 
+    def held_out_change(self) -> str:
+        """The seed-mean held-out metric at the first and the last evaluation."""
+        values = seed_mean([r.eval_value for r in self.runs])
+        return f"{values[0]:.3f} -> {values[-1]:.3f}" if values else "n/a"
+
+    def thought_tokens(self) -> float:
+        return _mean(v for r in self.runs for v in r.thought_tokens)
+
+    def answer_tokens(self) -> float:
+        return _mean(v for r in self.runs for v in r.answer_tokens)
+
     def spike_score(self) -> float:
         return _mean(spike_score(r.spike_ratios) for r in self.runs)
 
@@ -237,13 +260,14 @@ class SettingSummary:
 
 
 def write_report(grid: Grid, root: Path, *, task: str, command: str) -> Path:
+    metric = held_out_metric(task)
     summaries = [
-        SettingSummary(s, [read_run(grid.run_dir(root, s, seed), task) for seed in grid.seeds]) for s in grid.settings
+        SettingSummary(s, [read_run(grid.run_dir(root, s, seed), task, metric) for seed in grid.seeds]) for s in grid.settings
     ]
     reference = next((s for s in summaries if s.setting.name == "T16A1"), summaries[0])
     plots = {
         "reward.png": plot_curves(summaries, root / "reward.png", "reward", "mean reward (smoothed)"),
-        "heldout_iou.png": plot_curves(summaries, root / "heldout_iou.png", "eval", f"held-out greedy {task} IoU"),
+        "heldout.png": plot_curves(summaries, root / "heldout.png", "eval", f"held-out greedy {task} {metric}"),
         "noise_vs_m.png": plot_noise(summaries, root / "noise_vs_m.png"),
         "step_time.png": plot_step_time(summaries, root / "step_time.png"),
         "spike_score.png": plot_spikes(summaries, root / "spike_score.png"),
@@ -264,8 +288,8 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str) -> Path:
         f"Target: {reference.setting.name}'s seed-mean reward over its last fifth, {target:.3f}. A setting reaches it at the "
         f"first step where its seed-mean reward, smoothed over {SMOOTHING_STEPS} steps, is at least the target.",
         "",
-        "| setting | final reward | step reached | wall time (s) | ratio | generated tokens | ratio | sampling s/step | update s/step | spike score | thought-value noise var | within-thought reward var |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| setting | final reward | step reached | wall time (s) | ratio | generated tokens | ratio | sampling s/step | update s/step | spike score | thought-value noise var | within-thought reward var | held-out {metric}, start -> end | thought / answer tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         step, seconds, tokens = s.to_reach(target)
@@ -273,7 +297,8 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str) -> Path:
             f"| {s.setting.name} | {s.final_reward():.3f} | {step if step is not None else 'not reached'} | "
             f"{_fmt(seconds, '.0f')} | {_ratio(seconds, ref_seconds)} | {_fmt(tokens, ',.0f')} | {_ratio(tokens, ref_tokens)} | "
             f"{s.rollout_seconds():.3f} | {s.update_seconds():.3f} | {_fmt(s.spike_score(), '.3f')} | "
-            f"{_fmt(s.noise_var(), '.4f')} | {_fmt(s.answer_var(), '.4f')} |"
+            f"{_fmt(s.noise_var(), '.4f')} | {_fmt(s.answer_var(), '.4f')} | {s.held_out_change()} | "
+            f"{_fmt(s.thought_tokens(), '.1f')} / {_fmt(s.answer_tokens(), '.1f')} |"
         )
     lines += [
         "",
@@ -322,7 +347,7 @@ def plot_curves(summaries: list[SettingSummary], path: Path, kind: str, ylabel: 
             ys = [smooth(r.reward) for r in s.runs]
             xs_steps = s.runs[0].steps
         else:
-            ys = [r.eval_iou for r in s.runs]
+            ys = [r.eval_value for r in s.runs]
             xs_steps = s.runs[0].eval_steps
         length = min(map(len, ys)) if ys else 0
         if length == 0:
