@@ -167,15 +167,15 @@ def update_policy(
                 ref_logprobs=ref,
             )
             accelerator.backward(loss)
+            log_ratio_max = float(micro_stats.pop("log_ratio_abs_max"))  # a maximum, not a sum
             if iteration == 0:  # what the update of the fresh rollout saw (the sampling policy's view)
-                stats["first_update_log_ratio_max"] = max(stats["first_update_log_ratio_max"], float(micro_stats.pop("log_ratio_abs_max")))
+                stats["first_update_log_ratio_max"] = max(stats["first_update_log_ratio_max"], log_ratio_max)
                 thought = micro.is_thought.to(device)
                 # at ratio 1, |d loss / d log-prob| = weight * |advantage|: the gradient each token gets
                 push = weights * micro.advantages.to(device).abs()
                 stats["thought_weight_sum"] += float((weights * thought).sum())
                 stats["thought_push_sum"] += float((push * thought).sum())
                 stats["push_sum"] += float(push.sum())
-            micro_stats.pop("log_ratio_abs_max", None)
             stats["loss"] += float(loss.detach())
             for key, value in micro_stats.items():
                 stats[key] += float(value)
