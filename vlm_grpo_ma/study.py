@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -96,7 +97,9 @@ QUICK_GRID = dict(settings="T4A1 T2A2", seeds=2, steps=2, prompts_per_step=2, ev
 
 def run_grid(grid: Grid, root: Path, *, task: str, python: str = sys.executable, log=print) -> None:
     """Every (setting, seed) run of the grid, skipping finished ones and resuming interrupted ones."""
-    runs = [(setting, seed) for setting in grid.settings for seed in grid.seeds]
+    # seed by seed, every setting within a seed: a machine that slows down for a while slows every setting
+    # alike, so the step-time comparison stays fair
+    runs = [(setting, seed) for seed in grid.seeds for setting in grid.settings]
     started = time.perf_counter()
     for index, (setting, seed) in enumerate(runs, 1):
         run_dir = grid.run_dir(root, setting, seed)
@@ -202,9 +205,10 @@ def seed_mean(series: list[list[float]]) -> list[float]:
     return [_mean(s[i] for s in series) for i in range(length)]
 
 
-def first_crossing(values: list[float], target: float) -> int | None:
-    """The index of the first value >= target, or None."""
-    return next((i for i, v in enumerate(values) if v >= target), None)
+def first_crossing(values: list[float], target: float, start: int = SMOOTHING_STEPS - 1) -> int | None:
+    """The index of the first value >= target from ``start`` on (the first index with a full smoothing
+    window: a trailing mean over fewer steps is one noisy step), or None."""
+    return next((i for i in range(start, len(values)) if values[i] >= target), None)
 
 
 @dataclass
@@ -219,6 +223,14 @@ class SettingSummary:
         """The seed-mean reward over the last fifth of the steps."""
         reward = seed_mean([r.reward for r in self.runs])
         return _mean(reward[-max(1, len(reward) // 5) :])
+
+    def reward_gain(self) -> tuple[float, float]:
+        """(last-fifth minus first-fifth seed-mean reward, the standard error of that difference)."""
+        reward = seed_mean([r.reward for r in self.runs])
+        fifth = max(1, len(reward) // 5)
+        first, last = reward[:fifth], reward[-fifth:]
+        spread = statistics.pstdev(first + last) if len(first + last) > 1 else math.nan
+        return _mean(last) - _mean(first), spread * math.sqrt(1 / len(first) + 1 / len(last))
 
     def noise_var(self) -> float:
         return _mean(v for r in self.runs for v in r.noise_var)
@@ -274,6 +286,8 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str) -> Path:
     }
     target = reference.final_reward()
     ref_step, ref_seconds, ref_tokens = reference.to_reach(target)
+    gain, gain_error = reference.reward_gain()
+    learned = gain > 2 * gain_error
     lines = [
         "# GRPO-MA study",
         "",
@@ -286,7 +300,11 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str) -> Path:
         f"## Time and tokens to reach {reference.setting.name}'s reward level",
         "",
         f"Target: {reference.setting.name}'s seed-mean reward over its last fifth, {target:.3f}. A setting reaches it at the "
-        f"first step where its seed-mean reward, smoothed over {SMOOTHING_STEPS} steps, is at least the target.",
+        f"first step (from step {SMOOTHING_STEPS} on) where its seed-mean reward, smoothed over {SMOOTHING_STEPS} steps, is at "
+        f"least the target. {reference.setting.name} gained {gain:+.3f} from its first to its last fifth (standard error "
+        f"{gain_error:.3f}). "
+        + ("" if learned else "**That gain is within two standard errors of 0: the reward did not rise measurably in this "
+           "grid, so the time and tokens to reach the target below compare noise, not learning.**"),
         "",
         f"| setting | final reward | step reached | wall time (s) | ratio | generated tokens | ratio | sampling s/step | update s/step | spike score | thought-value noise var | within-thought reward var | held-out {metric}, start -> end | thought / answer tokens |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
