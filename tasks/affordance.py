@@ -59,6 +59,7 @@ from tasks._common import (
     draw_marks,
     extract_tag,
     has_think_answer_format,
+    jsonl_rows,
     order_corners,
     parse_box,
     parse_points,
@@ -411,19 +412,10 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
 
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from None
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{line_number}: a row must be a JSON object, got {type(row).__name__}"
-                )
-            rows.append(row)
+    for where, row in jsonl_rows(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        rows.append(row)
     return rows
 
 
