@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 
 from vlm_grpo_ma import checkpoint as ckpt
-from vlm_grpo_ma import lora
+from vlm_grpo_ma import lora, survive
 from vlm_grpo_ma.advantages import grpo_ma_advantages
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
 from vlm_grpo_ma.data import PromptStream, TaskMixture
 from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
 from vlm_grpo_ma.loss import policy_loss
-from vlm_grpo_ma.metrics import RunLogger, format_summary, read_metrics, summarize
+from vlm_grpo_ma.metrics import RunLogger, drop_records_after, format_summary, read_metrics, summarize
 from vlm_grpo_ma.policy import (
     CompletionScorer,
     EncodedPrompt,
@@ -41,7 +41,7 @@ from vlm_grpo_ma.policy import (
     load_policy,
     prompt_generators,
 )
-from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules
+from vlm_grpo_ma.registry import Sample, Task, count_load_skips, get_task, import_task_modules
 from vlm_grpo_ma.rewards import ScoredRollout, check_reward_overrides, score_rollout
 from vlm_grpo_ma.rollout import Rollout, generate_rollout
 
@@ -487,7 +487,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     accelerator.wait_for_everyone()
 
     # --- tasks and data ---------------------------------------------------------------------------------
-    tasks, stream = load_prompt_stream(cfg)
+    with count_load_skips() as load_skips:  # rows dropped at load (an unreadable image), counted below
+        tasks, stream = load_prompt_stream(cfg)
     eval_sets = load_eval_sets(cfg, tasks)
 
     # --- model, reference, optimiser ----------------------------------------------------------------------
@@ -512,6 +513,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
 
     if accelerator.is_main_process:
         save_config(cfg, run_dir / "config.yaml")
+        drop_records_after(run_dir, start_step)  # a resumed run logs the steps after its checkpoint again
         log.info(
             "model %s (%s, %d parameters, attention %s, coordinate frame %s); tasks %s with %d samples; "
             "K=%d thoughts x M=%d answers; %d process(es) of %d prompts each",
@@ -535,6 +537,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         start_step=start_step,
     )
     counters = Counter(history_state["counters"]) if history_state else Counter()
+    counters.update({f"skipped_{reason}_at_load": n for reason, n in load_skips.items()})
     instruction_of = lambda name: get_task(name).instruction  # noqa: E731
 
     def save(step: int) -> None:
@@ -565,6 +568,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     step = start_step
     completed = {"data": stream.state_dict(), "counters": dict(counters)}
     guard = UpdateGuard()
+    restore_sigterm = survive.raise_on_sigterm()  # SIGTERM saves and stops like Ctrl-C (exit code 143)
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
@@ -602,6 +606,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             batch = build_train_batch(rollout, thought_adv, answer_adv)
             policy.model.train()
             update = update_policy(policy, scorer, batch, prompts, cfg, accelerator, optimizer, reference, guard)
+            survive.check_step_finite(  # NaN/inf stops the run here, before anything is checkpointed
+                step + 1, {"reward": scored.rewards, "advantage/thought": thought_adv, "advantage/answer": answer_adv,
+                           **update, "train/learning_rate": scheduler.get_last_lr()[0]}, policy.model)  # fmt: skip
             scheduler.step()
             step += 1
             guard.weights_changed = False
@@ -639,6 +646,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             save(step)
         raise
     finally:
+        restore_sigterm()
         logger.close()
 
     headline = ["reward/mean"] + [f"reward/{t.metrics[0]}" for t in tasks.values() if t.metrics]
@@ -705,8 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found when loading the data or the model
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130  # train() saved a checkpoint of the steps done
+    except KeyboardInterrupt as interrupt:  # train() saved a checkpoint of the steps done
+        return interrupt.exit_code if isinstance(interrupt, survive.Terminated) else 130
     return 0
 
 

@@ -1,0 +1,72 @@
+"""What keeps a run's checkpoints worth resuming: SIGTERM saves like Ctrl-C, and non-finite numbers stop the
+run before they reach a checkpoint. ``train()`` calls these in one line each (see docs/ARCHITECTURE.md,
+"Runs that survive")."""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+
+import torch
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``kill`` and job schedulers send), raised where the run is so that it takes the same path
+    as Ctrl-C: the last completed step is checkpointed, then the process exits with 143 (128 + SIGTERM)."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or infinity in a step's rewards, advantages, loss, gradient norm, learning rate or weights."""
+
+
+def raise_on_sigterm():
+    """Until the returned ``restore()`` is called, SIGTERM raises ``Terminated`` in the main thread. A second
+    SIGTERM while the first is being handled is ignored, so the checkpoint being saved is finished (a
+    scheduler that will not wait sends SIGKILL; checkpoints are written atomically). Does nothing outside the
+    main thread, where Python cannot install handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated(f"received signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+    return restore
+
+
+def _is_finite(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all())
+    return math.isfinite(value)
+
+
+def check_step_finite(step: int, quantities: dict, model: torch.nn.Module) -> None:
+    """Raise NonFiniteError naming the first non-finite quantity of training step ``step``: the entries of
+    ``quantities`` in order (name -> tensor or number; NaN parts of a reward are "not applicable", so give
+    the reward total), then the trainable weights, by parameter name. Called after the optimiser step and
+    before the step counts as completed, so the crash path keeps the last checkpoint: a checkpoint never
+    holds non-finite weights."""
+    for name, value in quantities.items():
+        if not _is_finite(value):
+            raise NonFiniteError(_message(step, name, value))
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if trainable and not bool(torch.stack([torch.isfinite(p).all() for _, p in trainable]).all()):
+        name = next(name for name, p in trainable if not bool(torch.isfinite(p).all()))
+        raise NonFiniteError(_message(step, f"weight {name}", None))
+
+
+def _message(step: int, name: str, value) -> str:
+    shown = "" if value is None or isinstance(value, torch.Tensor) else f" = {value}"
+    return (
+        f"step {step}: {name}{shown} is not finite (NaN or infinity); stopping without checkpointing this step "
+        "(the last checkpoint is kept). Check train.learning_rate, data.reward_weights and the task's reward."
+    )
