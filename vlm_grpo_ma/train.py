@@ -713,6 +713,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found when loading the data or the model
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except survive.NonFiniteError as error:  # the last checkpoint is kept; the message names the quantity
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as interrupt:  # train() saved a checkpoint of the steps done
         return interrupt.exit_code if isinstance(interrupt, survive.Terminated) else 130
     return 0
