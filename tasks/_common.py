@@ -369,7 +369,7 @@ def jsonl_rows(path: Path, raw: bytes | None = None) -> list[tuple[str, Any]]:
         try:
             rows.append((where, json.loads(text)))
         except json.JSONDecodeError as error:
-            raise ValueError(f"{where}:{error.colno}: not JSON ({error.msg})") from None
+            raise ValueError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
     return rows
 
 
@@ -392,7 +392,7 @@ def read_rows(path: Path) -> list[tuple[str | None, str, Any]]:
         line = raw[: error.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path}:{error.lineno}:{error.colno}: not JSON ({error.msg})") from None
+        raise ValueError(f"{path}:{error.lineno}: not JSON ({error.msg} at column {error.colno})") from None
     if isinstance(data, list):
         return [(None, f"{path}: row {index}", row) for index, row in enumerate(data)]
     if isinstance(data, dict) and data and all(isinstance(row, dict) for row in data.values()):

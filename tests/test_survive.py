@@ -188,7 +188,7 @@ def test_jsonl_errors_name_the_file_line_and_column(tmp_path):
     path.write_bytes(b'{"a": 1}\n{"a": 2,\r "b": 3}\n{"a": 3,, }\n')
     with pytest.raises(ValueError) as error:
         read_rows(path)
-    assert str(error.value).startswith(f"{path}:3:9: not JSON (Expecting property name")
+    assert str(error.value).startswith(f"{path}:3: not JSON (Expecting property name enclosed in double quotes at column 9)")
     assert "line 1" not in str(error.value)
     path.write_bytes(b'{"a": 1}\n{"a": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 text \(invalid continuation byte at column 11\)"):
@@ -229,7 +229,7 @@ def test_a_ground_truth_box_partly_outside_the_image_is_clipped_and_corners_sort
 def test_a_malformed_grounding_line_names_its_line(tmp_path):
     path = _grounding_rows(tmp_path)
     path.write_text(path.read_text() + "{oops\n")
-    with pytest.raises(ValueError, match=rf"{path}:3:2: not JSON"):
+    with pytest.raises(ValueError, match=rf"{path}:3: not JSON \(Expecting property name .* at column 2\)"):
         grounding.load(source=str(path))
 
 
