@@ -8,7 +8,6 @@ convert with ``Completion.to_original_pixels`` (the one conversion) and then use
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
@@ -340,9 +339,9 @@ def image_from_cell(cell: Any, root: Path, where: str) -> Any | None:
         return str((root / cell).resolve())
     if isinstance(cell, dict):
         if cell.get("bytes"):
-            from PIL import Image
+            from vlm_grpo_ma.images import open_lazily
 
-            return Image.open(io.BytesIO(cell["bytes"]))
+            return open_lazily(cell["bytes"], where)  # ImageLoadError: the loader skips the row
         if cell.get("path"):
             return str((root / cell["path"]).resolve())
         return None

@@ -18,10 +18,8 @@ and VLM-R1 REC JSON files.
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +39,7 @@ from tasks._common import (
     parse_box,
     require_keys,
 )
-from vlm_grpo_ma.images import UNREADABLE, ImageLoadError, header_size
+from vlm_grpo_ma.images import ImageLoadError, header_size, open_lazily
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "grounding"
@@ -202,6 +200,8 @@ def _sample(sample_id: str, expression: Any, image: Any, box: list[float], meta:
     if "width" not in meta or "height" not in meta:
         try:
             meta["width"], meta["height"] = header_size(image)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{where}: image file not found: {image}") from None
         except ImageLoadError as error:
             skip_row("broken_images", where, error)
             return None
@@ -272,12 +272,7 @@ def _parquet_image(cell: Any, path: Path, image_root: str | None, where: str) ->
     image, so a whole RefCOCO split does not sit decoded in memory.
     """
     if isinstance(cell, dict) and cell.get("bytes"):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                return Image.open(io.BytesIO(cell["bytes"]))
-        except UNREADABLE as error:
-            raise ImageLoadError(f"{where}: {type(error).__name__}: {error}") from error
+        return open_lazily(cell["bytes"], where)
     if isinstance(cell, dict) and cell.get("path"):
         return _resolve_image(cell["path"], path, image_root)
     raise ValueError(f"{where}: image cell has neither bytes nor path")

@@ -131,6 +131,30 @@ def test_unreadable_images_are_skipped_and_counted_at_load_and_mid_run_and_resum
     assert _records(run / "metrics.jsonl")[-1]["count/skipped_broken_images"] >= 2  # passed it again, epoch 2
 
 
+def test_other_loaders_skip_and_count_an_unreadable_image_but_name_a_missing_one(tmp_path):
+    from tasks import affordance
+    from tasks._common import image_from_cell
+
+    bomb = _bomb_png(tmp_path / "huge.png")
+    scene = ROOT / "tests" / "fixtures" / "affordance" / "project" / "images" / "scene.png"
+    rows = [{"id": "ok", "image": str(scene), "question": "q", "box": [1, 2, 3, 4]},
+            {"id": "huge", "image": str(bomb), "question": "q", "box": [1, 2, 3, 4]}]
+    source = tmp_path / "affordance.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with count_load_skips() as skipped:
+        assert [s.id for s in affordance.load(source=str(source))] == ["ok"]
+    assert skipped == {"broken_images": 1}
+    # image bytes in a parquet/JSON cell (vqa, math): ImageLoadError, which their loaders skip and count
+    with pytest.raises(ImageLoadError, match="rows.parquet: row 3: image bytes cannot be read"):
+        image_from_cell({"bytes": bomb.read_bytes()}, tmp_path, "rows.parquet: row 3")
+    # a missing file is a wrong path or image root: named at load, not skipped
+    missing = _grounding_rows(tmp_path, image="nowhere.png")
+    text = missing.read_text().splitlines()
+    missing.write_text(text[0] + "\n" + json.dumps({k: v for k, v in json.loads(text[1]).items() if k != "width"}) + "\n")
+    with pytest.raises(FileNotFoundError, match=r"rows.jsonl:2: image file not found: .*nowhere.png"):
+        grounding.load(source=str(missing))
+
+
 # ---------------------------------------------------------------------------------------------- non-finite
 
 

@@ -22,6 +22,18 @@ class ImageLoadError(ValueError):
 UNREADABLE = (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning)
 
 
+def open_lazily(data: bytes, where: str) -> Image.Image:
+    """An image cell's bytes opened (header only; pixels decoded when the policy uses it), or ImageLoadError."""
+    import io
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data))
+    except UNREADABLE as error:
+        raise ImageLoadError(f"{where}: image bytes cannot be read: {type(error).__name__}: {error}") from error
+
+
 def decode_image(image) -> Image.Image:
     """A path or (lazily opened) PIL image -> decoded RGB image, or ImageLoadError."""
     try:
@@ -37,7 +49,10 @@ def decode_image(image) -> Image.Image:
 
 
 def header_size(image) -> tuple[int, int]:
-    """(width, height) of a path or PIL image from its header only, or ImageLoadError (as ``decode_image``)."""
+    """(width, height) of a path or PIL image from its header only, or ImageLoadError (as ``decode_image``).
+
+    Loaders call this: a missing file stays FileNotFoundError there (a wrong path or image root is a setup
+    error, named at start), while a file that is present but unreadable is an ImageLoadError to skip."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -46,5 +61,7 @@ def header_size(image) -> tuple[int, int]:
                 return image.size
             with Image.open(image) as opened:
                 return opened.size
+    except FileNotFoundError:
+        raise
     except UNREADABLE as error:
         raise ImageLoadError(f"cannot read image {image!r}: {type(error).__name__}: {error}") from error
