@@ -281,3 +281,22 @@ def test_a_resumed_run_does_not_log_its_resumed_steps_twice(untrained_tiny_dir, 
     train_module.train(_cfg(untrained_tiny_dir, run, *task), resume=True)
     assert [r["step"] for r in _records(run / "metrics.jsonl")] == [1, 2, 3, 4]
     assert [r["step"] for r in _records(run / "rollouts.jsonl")] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_a_resumed_run_replaces_its_relogged_steps_in_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vlm_grpo_ma.metrics import RunLogger
+
+    first = RunLogger(tmp_path, tensorboard=True, progress_bar=False, total_steps=3, start_step=0)
+    for step in (1, 2, 3):
+        first.log_step(step, {"reward/mean": float(step)})
+    first.close()
+    time.sleep(1.1)  # event files are named by the second: the resumed run's file sorts after the first's
+    resumed = RunLogger(tmp_path, tensorboard=True, progress_bar=False, total_steps=3, start_step=1)
+    for step in (2, 3):
+        resumed.log_step(step, {"reward/mean": 10.0 + step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 12.0), (3, 13.0)]
