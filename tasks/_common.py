@@ -349,8 +349,8 @@ def image_from_cell(cell: Any, root: Path, where: str) -> Any | None:
 
 
 def jsonl_rows(path: Path, raw: bytes | None = None) -> list[tuple[str, Any]]:
-    """``[(where, value)]`` for the non-blank lines of a JSONL file (``raw``: its bytes, e.g. un-gzipped), with
-    ``where = "file:line"``. Lines are split on "\\n" only and numbered as an editor numbers them: a text-mode
+    """``[(where, value)]`` for the non-blank lines of a JSONL file (``raw``: its bytes, e.g. un-gzipped),
+    with ``where = "file:line"``. Lines are split on "\\n" only and numbered as an editor numbers them: a text-mode
     read would also split on a lone "\\r" (JSON whitespace) and shift every later number. A line that is not
     UTF-8 or not JSON raises ValueError naming the file, line and column (json's own "line 1" would
     refer to the line alone)."""
@@ -362,7 +362,8 @@ def jsonl_rows(path: Path, raw: bytes | None = None) -> list[tuple[str, Any]]:
         try:
             text = line.decode("utf-8-sig" if line_number == 1 else "utf-8")
         except UnicodeDecodeError as error:
-            raise ValueError(f"{where}: not UTF-8 text ({error.reason} at column {error.start + 1})") from None
+            reason = f"{error.reason} at column {error.start + 1}"
+            raise ValueError(f"{where}: not UTF-8 text ({reason})") from None
         if not text.strip():
             continue
         try:

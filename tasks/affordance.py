@@ -439,7 +439,8 @@ def _image_size(path: str, where: str, what: str = "image") -> tuple[int, int] |
         if what != "mask":
             skip_row("broken_images", where, error)
             return None
-        raise ValueError(f"{where}: {what} file {path} cannot be read as an image ({error.__cause__})") from None
+        reason = error.__cause__
+        raise ValueError(f"{where}: {what} file {path} cannot be read as an image ({reason})") from None
 
 
 def _checked_mask(path: str, size: tuple[int, int], where: str) -> str:

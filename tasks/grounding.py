@@ -189,11 +189,14 @@ def _size(meta: dict, where: str) -> tuple[float, float]:
     """``meta["width"], meta["height"]``, checked: positive finite numbers."""
     size = meta["width"], meta["height"]
     if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in size):
-        raise ValueError(f"{where}: width and height must be positive numbers, got {size[0]!r} and {size[1]!r}")
+        got = f"{size[0]!r} and {size[1]!r}"
+        raise ValueError(f"{where}: width and height must be positive numbers, got {got}")
     return size
 
 
-def _sample(sample_id: str, expression: Any, image: Any, box: list[float], meta: dict, where: str) -> Sample | None:
+def _sample(
+    sample_id: str, expression: Any, image: Any, box: list[float], meta: dict, where: str
+) -> Sample | None:
     """The Sample, or None (skipped and counted) when its size must come from an unreadable image."""
     if not isinstance(expression, str) or not expression.strip():
         raise ValueError(f"{where}: 'expression' must be a non-empty string, got {expression!r}")
@@ -222,7 +225,8 @@ def _load_project_jsonl(path: Path, image_root: str | None) -> list[Sample]:
             raise ValueError(f"{where}: 'image' must be a path string, got {row['image']!r}")
         meta = {k: row[k] for k in ("width", "height", "reference_thought") if k in row}
         image = _resolve_image(row["image"], path, image_root)
-        samples.append(_sample(str(row["id"]), row["expression"], image, _box(row["box"], where), meta, where))
+        box = _box(row["box"], where)
+        samples.append(_sample(str(row["id"]), row["expression"], image, box, meta, where))
     return [sample for sample in samples if sample is not None]
 
 
@@ -304,7 +308,9 @@ def _load_vlm_r1_json(path: Path, image_root: str | None) -> list[Sample]:
         expression = str(row["problem"]).replace("<image>", "")
         image = _resolve_image(image_ref, path, image_root)
         samples.append(
-            _sample(str(row.get("id", f"{path.stem}_{index}")), expression, image, _box(box, where), meta, where)
+            _sample(
+                str(row.get("id", f"{path.stem}_{index}")), expression, image, _box(box, where), meta, where
+            )
         )
     return [sample for sample in samples if sample is not None]
 

@@ -41,7 +41,14 @@ TINY_RUN = [
 
 def _cfg(model_dir, out_dir, *extra):
     return train_module.load_config(
-        None, [f"model.name_or_path={model_dir}", f"train.output_dir={out_dir}", "train.steps=4", *TINY_RUN, *extra]
+        None,
+        [
+            f"model.name_or_path={model_dir}",
+            f"train.output_dir={out_dir}",
+            "train.steps=4",
+            *TINY_RUN,
+            *extra,
+        ],
     )
 
 
@@ -54,7 +61,12 @@ def _bomb_png(path, side=20000):
     PIL raises DecompressionBombError, which is neither OSError nor ValueError), with a tiny body."""
 
     def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
 
     header = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)  # 8-bit greyscale
     body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
@@ -68,9 +80,22 @@ def _bomb_png(path, side=20000):
 def test_sigterm_saves_the_last_completed_step_and_resume_continues(untrained_tiny_dir, tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = [sys.executable, "-m", "vlm_grpo_ma.train", "--task", "grounding", "--output-dir", str(run),
-               f"model.name_or_path={untrained_tiny_dir}", "train.steps=50", "train.checkpoint_every=100", *TINY_RUN]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_grpo_ma.train",
+        "--task",
+        "grounding",
+        "--output-dir",
+        str(run),
+        f"model.name_or_path={untrained_tiny_dir}",
+        "train.steps=50",
+        "train.checkpoint_every=100",
+        *TINY_RUN,
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while not ((run / "metrics.jsonl").exists() and len(_records(run / "metrics.jsonl")) >= 2):
@@ -103,7 +128,10 @@ def test_an_image_over_the_pixel_limit_is_an_image_load_error(tmp_path):
 def _grounding_source(tmp_path, bomb):
     """Three embedded samples (absolute image paths), a row whose image is over PIL's pixel limit but whose
     size is given (found mid-run) and one without a size (found at load, reading the header)."""
-    rows = [json.loads(line) for line in (ROOT / "data" / "grounding" / "train.jsonl").read_text().splitlines()[:3]]
+    rows = [
+        json.loads(line)
+        for line in (ROOT / "data" / "grounding" / "train.jsonl").read_text().splitlines()[:3]
+    ]
     for row in rows:
         row["image"] = str(ROOT / "data" / "grounding" / row["image"])
     box = {"expression": "the square", "box": [1, 1, 20, 20]}
@@ -114,7 +142,9 @@ def _grounding_source(tmp_path, bomb):
     return source
 
 
-def test_unreadable_images_are_skipped_and_counted_at_load_and_mid_run_and_resume_continues(untrained_tiny_dir, tmp_path):
+def test_unreadable_images_are_skipped_and_counted_at_load_and_mid_run_and_resume_continues(
+    untrained_tiny_dir, tmp_path
+):
     source = _grounding_source(tmp_path, _bomb_png(tmp_path / "huge.png"))
     with count_load_skips() as skipped:
         assert [s.id for s in grounding.load(source=str(source))][-1] == "huge_mid_run"
@@ -122,7 +152,9 @@ def test_unreadable_images_are_skipped_and_counted_at_load_and_mid_run_and_resum
 
     run = tmp_path / "run"
     # 6 draws from 4 samples: every sample is drawn at least once
-    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=3", "train.checkpoint_every=1", f"data.source={source}"))
+    train_module.train(
+        _cfg(untrained_tiny_dir, run, "train.steps=3", "train.checkpoint_every=1", f"data.source={source}")
+    )
     last = _records(run / "metrics.jsonl")[-1]
     assert last["count/skipped_broken_images_at_load"] == 1
     assert last["count/skipped_broken_images"] >= 1
@@ -137,8 +169,10 @@ def test_other_loaders_skip_and_count_an_unreadable_image_but_name_a_missing_one
 
     bomb = _bomb_png(tmp_path / "huge.png")
     scene = ROOT / "tests" / "fixtures" / "affordance" / "project" / "images" / "scene.png"
-    rows = [{"id": "ok", "image": str(scene), "question": "q", "box": [1, 2, 3, 4]},
-            {"id": "huge", "image": str(bomb), "question": "q", "box": [1, 2, 3, 4]}]
+    rows = [
+        {"id": "ok", "image": str(scene), "question": "q", "box": [1, 2, 3, 4]},
+        {"id": "huge", "image": str(bomb), "question": "q", "box": [1, 2, 3, 4]},
+    ]
     source = tmp_path / "affordance.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with count_load_skips() as skipped:
@@ -150,7 +184,9 @@ def test_other_loaders_skip_and_count_an_unreadable_image_but_name_a_missing_one
     # a missing file is a wrong path or image root: named at load, not skipped
     missing = _grounding_rows(tmp_path, image="nowhere.png")
     text = missing.read_text().splitlines()
-    missing.write_text(text[0] + "\n" + json.dumps({k: v for k, v in json.loads(text[1]).items() if k != "width"}) + "\n")
+    missing.write_text(
+        text[0] + "\n" + json.dumps({k: v for k, v in json.loads(text[1]).items() if k != "width"}) + "\n"
+    )
     with pytest.raises(FileNotFoundError, match=r"rows.jsonl:2: image file not found: .*nowhere.png"):
         grounding.load(source=str(missing))
 
@@ -160,7 +196,10 @@ def test_other_loaders_skip_and_count_an_unreadable_image_but_name_a_missing_one
 
 @pytest.mark.parametrize(
     "setting, value, named",
-    [("train.learning_rate", math.inf, "train/learning_rate"), ("data.reward_weights", {"iou": math.inf}, "reward")],
+    [
+        ("train.learning_rate", math.inf, "train/learning_rate"),
+        ("data.reward_weights", {"iou": math.inf}, "reward"),
+    ],
 )
 def test_a_non_finite_value_stops_the_run_naming_it_and_never_checkpoints_non_finite_weights(
     untrained_tiny_dir, tmp_path, setting, value, named
@@ -172,7 +211,9 @@ def test_a_non_finite_value_stops_the_run_naming_it_and_never_checkpoints_non_fi
     with pytest.raises(NonFiniteError, match=rf"step 1: {named}\b.* is not finite"):
         train_module.train(cfg)
     for checkpoint in list_checkpoints(run):
-        assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model" / "model.safetensors").values())
+        assert all(
+            torch.isfinite(t).all() for t in load_file(checkpoint / "model" / "model.safetensors").values()
+        )
     assert list_checkpoints(run) == []
 
 
@@ -212,17 +253,27 @@ def test_jsonl_errors_name_the_file_line_and_column(tmp_path):
     path.write_bytes(b'{"a": 1}\n{"a": 2,\r "b": 3}\n{"a": 3,, }\n')
     with pytest.raises(ValueError) as error:
         read_rows(path)
-    assert str(error.value).startswith(f"{path}:3: not JSON (Expecting property name enclosed in double quotes at column 9)")
+    assert str(error.value).startswith(
+        f"{path}:3: not JSON (Expecting property name enclosed in double quotes at column 9)"
+    )
     assert "line 1" not in str(error.value)
     path.write_bytes(b'{"a": 1}\n{"a": "caf\xe9"}\n')
-    with pytest.raises(ValueError, match=rf"{path}:2: not UTF-8 text \(invalid continuation byte at column 11\)"):
+    with pytest.raises(
+        ValueError, match=rf"{path}:2: not UTF-8 text \(invalid continuation byte at column 11\)"
+    ):
         read_rows(path)
 
 
 def _grounding_rows(tmp_path, **changes):
     image = ROOT / "data" / "grounding" / "images" / "train_00000.png"
-    good = {"id": "ok", "image": str(image), "expression": "the square", "box": [10, 10, 50, 50], "width": 168,
-            "height": 168}
+    good = {
+        "id": "ok",
+        "image": str(image),
+        "expression": "the square",
+        "box": [10, 10, 50, 50],
+        "width": 168,
+        "height": 168,
+    }
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "a", **changes}) + "\n")
     return path
@@ -232,7 +283,10 @@ def _grounding_rows(tmp_path, **changes):
     "changes, message",
     [
         ({"expression": 5}, r"rows.jsonl:2: 'expression' must be a non-empty string, got 5"),
-        ({"box": [float("nan"), 1, 5, 5]}, r"rows.jsonl:2: box \[nan, 1.0, 5.0, 5.0\] must hold finite numbers"),
+        (
+            {"box": [float("nan"), 1, 5, 5]},
+            r"rows.jsonl:2: box \[nan, 1.0, 5.0, 5.0\] must hold finite numbers",
+        ),
         ({"box": [200, 200, 300, 300]}, r"rows.jsonl:2: box .* has no area inside the 168x168 image"),
         ({"box": [10, 10, 10, 50]}, r"rows.jsonl:2: box .* has no area inside"),
         ({"width": 0}, r"rows.jsonl:2: width and height must be positive numbers"),

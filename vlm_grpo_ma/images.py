@@ -31,7 +31,9 @@ def open_lazily(data: bytes, where: str) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             return Image.open(io.BytesIO(data))
     except UNREADABLE as error:
-        raise ImageLoadError(f"{where}: image bytes cannot be read: {type(error).__name__}: {error}") from error
+        raise ImageLoadError(
+            f"{where}: image bytes cannot be read: {type(error).__name__}: {error}"
+        ) from error
 
 
 def decode_image(image) -> Image.Image:

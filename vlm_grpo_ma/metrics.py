@@ -21,7 +21,8 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: TensorBoard drops the earlier events of the steps a resumed run logs again
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else 0)
+            purge_step = start_step + 1 if start_step else 0
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress_bar, unit="step", dynamic_ncols=True)
 
     def log_step(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:

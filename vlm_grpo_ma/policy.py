@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from vlm_grpo_ma.coords import CoordinateFrame, Size
-from vlm_grpo_ma.images import ImageLoadError, decode_image  # noqa: F401  (ImageLoadError: part of this module's API)
+from vlm_grpo_ma.images import ImageLoadError, decode_image  # noqa: F401  (ImageLoadError: re-exported)
 from vlm_grpo_ma.registry import Sample
 
 SUPPORTED_MODEL_TYPES = {

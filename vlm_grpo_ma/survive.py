@@ -49,12 +49,22 @@ def _is_finite(value) -> bool:
     return math.isfinite(value)
 
 
-def check_step_finite(step: int, quantities: dict, model: torch.nn.Module) -> None:
-    """Raise NonFiniteError naming the first non-finite quantity of training step ``step``: the entries of
-    ``quantities`` in order (name -> tensor or number; NaN parts of a reward are "not applicable", so give
-    the reward total), then the trainable weights, by parameter name. Called after the optimiser step and
-    before the step counts as completed, so the crash path keeps the last checkpoint: a checkpoint never
-    holds non-finite weights."""
+def check_step_finite(
+    step: int, model: torch.nn.Module, rewards, advantages, update: dict, learning_rate
+) -> None:
+    """Raise NonFiniteError naming the first non-finite quantity of training step ``step``, in this order: the
+    rewards (totals; a NaN part is "not applicable"), the thought and answer advantages, the update's logged
+    values (``train/loss``, ``train/grad_norm``, ...), the learning rate, then the trainable weights by name.
+    Called after the optimiser step and before the step counts as completed, so the crash path keeps the
+    last checkpoint as it is: a checkpoint never holds non-finite weights."""
+    thought_adv, answer_adv = advantages
+    quantities = {
+        "reward": rewards,
+        "advantage/thought": thought_adv,
+        "advantage/answer": answer_adv,
+        **update,
+    }
+    quantities["train/learning_rate"] = learning_rate
     for name, value in quantities.items():
         if not _is_finite(value):
             raise NonFiniteError(_message(step, name, value))

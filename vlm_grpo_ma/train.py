@@ -607,8 +607,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             policy.model.train()
             update = update_policy(policy, scorer, batch, prompts, cfg, accelerator, optimizer, reference, guard)
             survive.check_step_finite(  # NaN/inf stops the run here, before anything is checkpointed
-                step + 1, {"reward": scored.rewards, "advantage/thought": thought_adv, "advantage/answer": answer_adv,
-                           **update, "train/learning_rate": scheduler.get_last_lr()[0]}, policy.model)  # fmt: skip
+                step + 1, policy.model, scored.rewards, (thought_adv, answer_adv), update, scheduler.get_last_lr()[0]
+            )
             scheduler.step()
             step += 1
             guard.weights_changed = False
