@@ -124,6 +124,7 @@ def test_bad_task_mixtures_are_refused(overrides, message):
         ("train.num_threads=99999999999999999999", "train.num_threads=99999999999999999999 is out of range"),
         ("model.min_pixels=-5", "model.min_pixels=-5 must be > 0"),
         ("train.steps=[1", "override 'train.steps=[1': the value '[1' is not valid YAML"),
+        ("train.eval_samples=0", "train.eval_samples=0 must be > 0"),
     ],
 )
 def test_non_finite_and_out_of_range_values_are_refused(override, message):

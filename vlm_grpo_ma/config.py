@@ -164,6 +164,7 @@ POSITIVE = (
     "train.micro_batch_rows",
     "train.learning_rate",
     "train.max_grad_norm",
+    "train.eval_samples",  # 0 would divide by zero in the first evaluation
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "logging.log_every",
@@ -181,7 +182,6 @@ NON_NEGATIVE = (
     "train.warmup_steps",
     "train.num_threads",
     "train.eval_every",
-    "train.eval_samples",
     "logging.rollout_samples_per_step",
     "train.seed",
 )
