@@ -53,8 +53,9 @@ def check_step_finite(
     step: int, model: torch.nn.Module, rewards, advantages, update: dict, learning_rate
 ) -> None:
     """Raise NonFiniteError naming the first non-finite quantity of training step ``step``, in this order: the
-    rewards (totals; a NaN part is "not applicable"), the thought and answer advantages, the update's logged
-    values (``train/loss``, ``train/grad_norm``, ...), the learning rate, then the trainable weights by name.
+    rewards (totals; a NaN part is "not applicable"), the thought and answer advantages, the update's
+    ``train/loss`` and ``train/grad_norm`` (diagnostics such as ``train/logprob_mismatch_max`` do not move the
+    weights and are not checked), the learning rate, then the trainable weights by name.
     Called after the optimiser step and before the step counts as completed, so the crash path keeps the
     last checkpoint as it is: a checkpoint never holds non-finite weights."""
     thought_adv, answer_adv = advantages
@@ -62,9 +63,9 @@ def check_step_finite(
         "reward": rewards,
         "advantage/thought": thought_adv,
         "advantage/answer": answer_adv,
-        **update,
+        **{key: update[key] for key in ("train/loss", "train/grad_norm") if key in update},
+        "train/learning_rate": learning_rate,
     }
-    quantities["train/learning_rate"] = learning_rate
     for name, value in quantities.items():
         if not _is_finite(value):
             raise NonFiniteError(_message(step, name, value))
