@@ -537,7 +537,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         start_step=start_step,
     )
     counters = Counter(history_state["counters"]) if history_state else Counter()
-    counters.update({f"skipped_{reason}_at_load": n for reason, n in load_skips.items()})
+    for reason, n in load_skips.items():  # set, not added: a resumed run has loaded (and skipped) them again
+        counters[f"skipped_{reason}_at_load"] = n
     instruction_of = lambda name: get_task(name).instruction  # noqa: E731
 
     def save(step: int) -> None:
