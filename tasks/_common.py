@@ -8,7 +8,6 @@ convert with ``Completion.to_original_pixels`` (the one conversion) and then use
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import re
@@ -340,13 +339,38 @@ def image_from_cell(cell: Any, root: Path, where: str) -> Any | None:
         return str((root / cell).resolve())
     if isinstance(cell, dict):
         if cell.get("bytes"):
-            from PIL import Image
+            from vlm_grpo_ma.images import open_lazily
 
-            return Image.open(io.BytesIO(cell["bytes"]))
+            return open_lazily(cell["bytes"], where)  # ImageLoadError: the loader skips the row
         if cell.get("path"):
             return str((root / cell["path"]).resolve())
         return None
     raise ValueError(f"{where}: an image is a path or a {{'bytes', 'path'}} cell, got {type(cell).__name__}")
+
+
+def jsonl_rows(path: Path, raw: bytes | None = None) -> list[tuple[str, Any]]:
+    """``[(where, value)]`` for the non-blank lines of a JSONL file (``raw``: its bytes, e.g. un-gzipped),
+    with ``where = "file:line"``. Lines are split on "\\n" only and numbered as an editor numbers them: a text-mode
+    read would also split on a lone "\\r" (JSON whitespace) and shift every later number. A line that is not
+    UTF-8 or not JSON raises ValueError naming the file, line and column (json's own "line 1" would
+    refer to the line alone)."""
+    path = Path(path)
+    raw = path.read_bytes() if raw is None else raw
+    rows = []
+    for line_number, line in enumerate(raw.split(b"\n"), start=1):
+        where = f"{path}:{line_number}"
+        try:
+            text = line.decode("utf-8-sig" if line_number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            reason = f"{error.reason} at column {error.start + 1}"
+            raise ValueError(f"{where}: not UTF-8 text ({reason})") from None
+        if not text.strip():
+            continue
+        try:
+            rows.append((where, json.loads(text)))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
+    return rows
 
 
 def read_rows(path: Path) -> list[tuple[str | None, str, Any]]:
@@ -360,20 +384,15 @@ def read_rows(path: Path) -> list[tuple[str | None, str, Any]]:
         table = pq.read_table(path).to_pylist()
         return [(None, f"{path}: row {index}", row) for index, row in enumerate(table)]
     if path.suffix.lower() == ".jsonl":
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append((None, f"{path}:{line_number}", json.loads(line)))
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{line_number}: not JSON: {error}") from None
-        return rows
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not JSON: {error}") from None
+        return [(None, where, row) for where, row in jsonl_rows(path)]
+    raw = path.read_bytes()
+    try:
+        data = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{error.lineno}: not JSON ({error.msg} at column {error.colno})") from None
     if isinstance(data, list):
         return [(None, f"{path}: row {index}", row) for index, row in enumerate(data)]
     if isinstance(data, dict) and data and all(isinstance(row, dict) for row in data.values()):

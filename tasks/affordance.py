@@ -59,12 +59,14 @@ from tasks._common import (
     draw_marks,
     extract_tag,
     has_think_answer_format,
+    jsonl_rows,
     order_corners,
     parse_box,
     parse_points,
     require_keys,
 )
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
+from vlm_grpo_ma.images import ImageLoadError, header_size
+from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 log = logging.getLogger(__name__)
 
@@ -411,19 +413,10 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
 
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as error:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from None
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"{path}:{line_number}: a row must be a JSON object, got {type(row).__name__}"
-                )
-            rows.append(row)
+    for where, row in jsonl_rows(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        rows.append(row)
     return rows
 
 
@@ -435,15 +428,19 @@ def _read_json_list(path: Path) -> list[dict]:
     return rows
 
 
-def _image_size(path: str, where: str, what: str = "image") -> tuple[int, int]:
-    """(width, height) from the file header, or a clear error naming the file."""
+def _image_size(path: str, where: str, what: str = "image") -> tuple[int, int] | None:
+    """(width, height) from the file header, or a clear error naming the file. A present but unreadable
+    (corrupt, over PIL's pixel limit) scene image is skipped and counted: None; a broken mask is an error."""
     try:
-        with Image.open(path) as opened:
-            return opened.size
+        return header_size(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{where}: {what} file not found: {path}") from None
-    except OSError as error:
-        raise ValueError(f"{where}: {what} file {path} cannot be read as an image ({error})") from None
+    except ImageLoadError as error:
+        if what != "mask":
+            skip_row("broken_images", where, error)
+            return None
+        reason = error.__cause__
+        raise ValueError(f"{where}: {what} file {path} cannot be read as an image ({reason})") from None
 
 
 def _checked_mask(path: str, size: tuple[int, int], where: str) -> str:
@@ -483,8 +480,8 @@ def _load_project_jsonl(path: Path, rows: list[dict], image_root: str | None) ->
         image = str((root / row["image"]).resolve())
         if "width" in row and "height" in row:
             size = (int(row["width"]), int(row["height"]))
-        else:
-            size = _image_size(image, where)
+        elif (size := _image_size(image, where)) is None:
+            continue
         mask = row.get("mask")
         if mask is not None:
             mask = _checked_mask(str((root / mask).resolve()), size, where)
@@ -536,7 +533,8 @@ def _load_where2place(path: Path, rows: list[dict], image_root: str | None) -> l
         ):
             raise ValueError(f"{where}: question_id must be a non-negative integer, got {question_id!r}")
         image = str((image_dir / row["image"]).resolve())
-        size = _image_size(image, where)
+        if (size := _image_size(image, where)) is None:
+            continue
         mask = _checked_mask(
             str((path.parent / "masks" / f"{int(question_id):02d}.jpg").resolve()), size, where
         )
@@ -589,7 +587,8 @@ def _load_roborefit(path: Path, rows: list, image_root: str | None) -> list[Samp
             raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
         require_keys(row, ROBOREFIT_KEYS, where)
         image = _roborefit_path(row["rgb_path"], path, image_root, where, "rgb_path")
-        size = _image_size(image, where)
+        if (size := _image_size(image, where, "rgb_path")) is None:
+            continue
         mask = None
         if row.get("mask_path"):
             mask = _checked_mask(

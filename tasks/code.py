@@ -55,14 +55,13 @@ if __name__ == "code":
 
 import ast
 import gzip
-import json
 import logging
 import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks._common import extract_tag, has_think_answer_format
+from tasks._common import extract_tag, has_think_answer_format, jsonl_rows
 from tasks._sandbox import Limits, RunResult, Step, run_tests
 from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
 
@@ -303,18 +302,12 @@ def _installed_humaneval() -> Path:
 def _load_rows(path: Path) -> list[Sample]:
     opener = gzip.open if path.name.lower().endswith(".gz") else open
     samples = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not JSON ({error})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-            samples.append(_sample(row, where))
+    with opener(path, "rb") as f:
+        raw = f.read()
+    for where, row in jsonl_rows(path, raw):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        samples.append(_sample(row, where))
     ids = [s.id for s in samples]
     if len(set(ids)) != len(ids):
         duplicate = next(i for i in ids if ids.count(i) > 1)

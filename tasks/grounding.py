@@ -18,7 +18,6 @@ and VLM-R1 REC JSON files.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from pathlib import Path
@@ -35,11 +34,13 @@ from tasks._common import (
     extract_tag,
     has_think_answer_format,
     iou,
+    jsonl_rows,
     order_corners,
     parse_box,
     require_keys,
 )
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
+from vlm_grpo_ma.images import ImageLoadError, header_size, open_lazily
+from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "grounding"
 
@@ -158,23 +159,56 @@ def _resolve_image(relative: str, path: Path, image_root: str | None) -> str:
     return str((root / relative).resolve())
 
 
-def _image_size(image: Any) -> tuple[int, int]:
-    """(width, height) of a path or PIL image; reads only the file header."""
-    if isinstance(image, Image.Image):
-        return image.size
-    with Image.open(image) as opened:
-        return opened.size
-
-
 def _box(values: Any, where: str) -> list[float]:
     if not isinstance(values, list | tuple) or len(values) != 4:
         raise ValueError(f"{where}: a box needs 4 numbers [x1, y1, x2, y2], got {values!r}")
-    return [float(v) for v in values]
+    try:
+        return [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: a box needs 4 numbers [x1, y1, x2, y2], got {values!r}") from None
 
 
-def _sample(sample_id: str, expression: str, image: Any, box: list[float], meta: dict) -> Sample:
+def _checked_box(box: list[float], width: float, height: float, where: str) -> list[float]:
+    """The ground truth as the reward compares it: corners sorted, clipped to the image.
+
+    A box partly outside the image is clipped (the prediction is clipped the same way, so the part outside
+    could never be matched); a non-finite box, or one with no area inside the image, could only ever score
+    IoU 0 and is refused."""
+    if not all(math.isfinite(v) for v in box):
+        raise ValueError(f"{where}: box {box} must hold finite numbers")
+    clipped = clip_box(order_corners(box), width, height)
+    if not (clipped[0] < clipped[2] and clipped[1] < clipped[3]):
+        raise ValueError(
+            f"{where}: box {box} has no area inside the {width:g}x{height:g} image "
+            "(x1 < x2 <= width and y1 < y2 <= height after sorting the corners)"
+        )
+    return clipped
+
+
+def _size(meta: dict, where: str) -> tuple[float, float]:
+    """``meta["width"], meta["height"]``, checked: positive finite numbers."""
+    size = meta["width"], meta["height"]
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in size):
+        got = f"{size[0]!r} and {size[1]!r}"
+        raise ValueError(f"{where}: width and height must be positive numbers, got {got}")
+    return size
+
+
+def _sample(
+    sample_id: str, expression: Any, image: Any, box: list[float], meta: dict, where: str
+) -> Sample | None:
+    """The Sample, or None (skipped and counted) when its size must come from an unreadable image."""
+    if not isinstance(expression, str) or not expression.strip():
+        raise ValueError(f"{where}: 'expression' must be a non-empty string, got {expression!r}")
     if "width" not in meta or "height" not in meta:
-        meta["width"], meta["height"] = _image_size(image)
+        try:
+            meta["width"], meta["height"] = header_size(image)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{where}: image file not found: {image}") from None
+        except ImageLoadError as error:
+            skip_row("broken_images", where, error)
+            return None
+    box = _checked_box(box, *_size(meta, where), where)
     return Sample(
         task=NAME, id=sample_id, question=question_for(expression), images=(image,), answer=box, meta=meta
     )
@@ -183,17 +217,17 @@ def _sample(sample_id: str, expression: str, image: Any, box: list[float], meta:
 def _load_project_jsonl(path: Path, image_root: str | None) -> list[Sample]:
     """Rows {"id", "image", "expression", "box" x1y1x2y2 pixels, "width"?, "height"?, "reference_thought"?}."""
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            row = json.loads(line)
-            require_keys(row, ("id", "image", "expression", "box"), where)
-            meta = {k: row[k] for k in ("width", "height", "reference_thought") if k in row}
-            image = _resolve_image(row["image"], path, image_root)
-            samples.append(_sample(str(row["id"]), row["expression"], image, _box(row["box"], where), meta))
-    return samples
+    for where, row in jsonl_rows(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        require_keys(row, ("id", "image", "expression", "box"), where)
+        if not isinstance(row["image"], str):
+            raise ValueError(f"{where}: 'image' must be a path string, got {row['image']!r}")
+        meta = {k: row[k] for k in ("width", "height", "reference_thought") if k in row}
+        image = _resolve_image(row["image"], path, image_root)
+        box = _box(row["box"], where)
+        samples.append(_sample(str(row["id"]), row["expression"], image, box, meta, where))
+    return [sample for sample in samples if sample is not None]
 
 
 def _load_lmms_refcoco_parquet(path: Path, image_root: str | None) -> list[Sample]:
@@ -223,12 +257,16 @@ def _load_lmms_refcoco_parquet(path: Path, image_root: str | None) -> list[Sampl
         if not expressions or not str(expressions[0]).strip():
             raise ValueError(f"{where}: no referring expression in 'answer'")
         x, y, w, h = _box(row["bbox"], where)
-        image = _parquet_image(row["image"], path, image_root, where)
+        try:
+            image = _parquet_image(row["image"], path, image_root, where)
+        except ImageLoadError as error:
+            skip_row("broken_images", where, error)
+            continue
         meta = {"file_name": row["file_name"]} if row.get("file_name") else {}
         samples.append(
-            _sample(str(row["question_id"]), str(expressions[0]), image, [x, y, x + w, y + h], meta)
+            _sample(str(row["question_id"]), str(expressions[0]), image, [x, y, x + w, y + h], meta, where)
         )
-    return samples
+    return [sample for sample in samples if sample is not None]
 
 
 def _parquet_image(cell: Any, path: Path, image_root: str | None, where: str) -> Any:
@@ -238,7 +276,7 @@ def _parquet_image(cell: Any, path: Path, image_root: str | None, where: str) ->
     image, so a whole RefCOCO split does not sit decoded in memory.
     """
     if isinstance(cell, dict) and cell.get("bytes"):
-        return Image.open(io.BytesIO(cell["bytes"]))
+        return open_lazily(cell["bytes"], where)
     if isinstance(cell, dict) and cell.get("path"):
         return _resolve_image(cell["path"], path, image_root)
     raise ValueError(f"{where}: image cell has neither bytes nor path")
@@ -270,9 +308,11 @@ def _load_vlm_r1_json(path: Path, image_root: str | None) -> list[Sample]:
         expression = str(row["problem"]).replace("<image>", "")
         image = _resolve_image(image_ref, path, image_root)
         samples.append(
-            _sample(str(row.get("id", f"{path.stem}_{index}")), expression, image, _box(box, where), meta)
+            _sample(
+                str(row.get("id", f"{path.stem}_{index}")), expression, image, _box(box, where), meta, where
+            )
         )
-    return samples
+    return [sample for sample in samples if sample is not None]
 
 
 TASK = register_task(

@@ -75,7 +75,8 @@ from tasks._common import (
     read_rows,
     require_keys,
 )
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
+from vlm_grpo_ma.images import ImageLoadError
+from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "math"
 
@@ -540,7 +541,11 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
     root = Path(image_root) if image_root is not None else path.parent
     samples = []
     for index, (key, where, row) in enumerate(rows):
-        sample = loader(row, key if key is not None else f"{path.stem}_{index}", root, where)
+        try:
+            sample = loader(row, key if key is not None else f"{path.stem}_{index}", root, where)
+        except ImageLoadError as error:  # unreadable image bytes: skipped and counted, not fatal
+            skip_row("broken_images", where, error)
+            continue
         if sample is not None:
             samples.append(sample)
     if not samples and schema == "mathvista":

@@ -49,7 +49,8 @@ from tasks._common import (
     read_rows,
     require_keys,
 )
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
+from vlm_grpo_ma.images import ImageLoadError
+from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "vqa"
 
@@ -291,7 +292,11 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
     for index, (key, where, row) in enumerate(rows):
         if not isinstance(row, dict):
             raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-        sample = loader(row, key if key is not None else f"{path.stem}_{index}", root, where, keyed)
+        try:
+            sample = loader(row, key if key is not None else f"{path.stem}_{index}", root, where, keyed)
+        except ImageLoadError as error:  # unreadable image bytes: skipped and counted, not fatal
+            skip_row("broken_images", where, error)
+            continue
         if sample is not None:
             samples.append(sample)
     if not samples and schema == "mathvista":

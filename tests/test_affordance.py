@@ -552,7 +552,7 @@ def test_load_rejects_bad_sources(tmp_path):
     bad_json.write_text(
         json.dumps({"id": 1, "image": "x", "question": "q", "box": [1, 2, 3, 4]}) + "\n{oops\n"
     )
-    with pytest.raises(ValueError, match=r"bad_json.jsonl:2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"bad_json.jsonl:2: not JSON"):
         affordance.load(source=str(bad_json))
     not_list = tmp_path / "robo.json"
     not_list.write_text(json.dumps({"text": "x"}))

@@ -104,3 +104,51 @@ def test_bad_task_mixtures_are_refused(overrides, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     assert message in str(error.value)
+
+
+# --- issue 12: non-finite, out-of-range and silently wrong settings are refused, naming the key ----------
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.learning_rate=.nan", "train.learning_rate=nan must be a finite number"),
+        ("train.learning_rate=.inf", "train.learning_rate=inf must be a finite number"),
+        ("train.learning_rate=1e999", "train.learning_rate=inf must be a finite number"),
+        ("data.reward_weights.iou=.nan", "data.reward_weights.iou=nan must be a finite number"),
+        ("data.tasks={grounding: .inf, vqa: 1}", "data.tasks.grounding=inf must be a finite number"),
+        ("algorithm.kl_coef=.inf", "algorithm.kl_coef=inf must be a finite number"),
+        ("train.max_grad_norm=0", "train.max_grad_norm=0.0 must be > 0"),
+        ("train.seed=-1", "train.seed=-1 must be >= 0"),
+        ("train.seed=4294967296", "train.seed=4294967296 is out of range (at most 4294967295)"),
+        ("train.num_threads=99999999999999999999", "train.num_threads=99999999999999999999 is out of range"),
+        ("model.min_pixels=-5", "model.min_pixels=-5 must be > 0"),
+        ("train.steps=[1", "override 'train.steps=[1': the value '[1' is not valid YAML"),
+        ("train.eval_samples=0", "train.eval_samples=0 must be > 0"),
+    ],
+)
+def test_non_finite_and_out_of_range_values_are_refused(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert message in str(error.value)
+
+
+def test_invalid_yaml_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: 3\n  learning_rate: [1e-4\n")
+    with pytest.raises(ConfigError, match=rf"{bad}:4:1: not valid YAML"):
+        load_config(bad)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"train:\n  steps: 3\n  output_dir: \xff\n")
+    with pytest.raises(ConfigError, match=rf"{binary}:3: not UTF-8 text"):
+        load_config(binary)
+
+
+def test_the_cli_reports_invalid_yaml_without_a_traceback(tmp_path, capsys):
+    from vlm_grpo_ma import train as train_module
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {steps: 3\n")
+    assert train_module.main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {bad}:2:1: not valid YAML") and "Traceback" not in err

@@ -8,6 +8,7 @@ never stored twice.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -105,8 +106,10 @@ class TrainConfig:
     adam_beta2: float = 0.99
     lr_schedule: str = "constant"
     warmup_steps: int = 0
+    # clip the gradient's global norm to this; must be > 0 (0 would zero every update while the logged norm
+    # looks normal). No "off" value: a large one (1e9) leaves the gradients as they are.
     max_grad_norm: float = 1.0
-    seed: int = 0
+    seed: int = 0  # 0 .. 2**32 - 1 (the range numpy's seeding takes)
     output_dir: str = "runs/grounding-tiny"
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -171,9 +174,13 @@ POSITIVE = (
     "train.prompts_per_step",
     "train.micro_batch_rows",
     "train.learning_rate",
+    "train.max_grad_norm",
+    "train.eval_samples",  # 0 would divide by zero in the first evaluation
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "logging.log_every",
+    "model.min_pixels",
+    "model.max_pixels",
 )
 NON_NEGATIVE = (
     "algorithm.eps",
@@ -184,12 +191,25 @@ NON_NEGATIVE = (
     "model.lora_dropout",
     "train.weight_decay",
     "train.warmup_steps",
-    "train.max_grad_norm",
     "train.num_threads",
     "train.eval_every",
-    "train.eval_samples",
     "logging.rollout_samples_per_step",
+    "train.seed",
 )
+# Integers far beyond any sensible run overflow torch/numpy calls mid-start with a traceback; refuse them.
+MAX_INT = 2**31 - 1
+MAX_SEED = 2**32 - 1
+
+
+def _numbers(cfg: Config):
+    """(dotted key, value) of every int/float value in the tree, dict entries included (``data.tasks.vqa``)."""
+    for section in dataclasses.fields(cfg):
+        for item in dataclasses.fields(getattr(cfg, section.name)):
+            key, value = f"{section.name}.{item.name}", getattr(getattr(cfg, section.name), item.name)
+            values = value.items() if isinstance(value, dict) else [(None, value)]
+            for name, v in values:
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    yield (key if name is None else f"{key}.{name}"), v
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -198,15 +218,24 @@ def _get(cfg: Config, dotted: str) -> Any:
 
 
 def validate(cfg: Config) -> Config:
+    # NaN passes neither `> 0` nor `>= 0` but inf passes both; an infinite learning rate, reward or task weight
+    # would train on NaN weights (or on one task only), so every number must be finite.
+    for key, value in _numbers(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+        if isinstance(value, int) and abs(value) > (MAX_SEED if key == "train.seed" else MAX_INT):
+            raise ConfigError(f"{key}={value} is out of range (at most {MAX_SEED if key == 'train.seed' else MAX_INT})")
     for key, choices in CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid; choose one of: {', '.join(choices)}")
     for key in POSITIVE:
-        if not _get(cfg, key) > 0:
+        if _get(cfg, key) is not None and not _get(cfg, key) > 0:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be > 0")
     for key in NON_NEGATIVE:
-        if not _get(cfg, key) >= 0:
+        if _get(cfg, key) is not None and not _get(cfg, key) >= 0:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
+    if None not in (cfg.model.min_pixels, cfg.model.max_pixels) and cfg.model.min_pixels > cfg.model.max_pixels:
+        raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} must be <= model.max_pixels={cfg.model.max_pixels}")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
     if cfg.rollout.num_thoughts < 2:
@@ -320,11 +349,19 @@ def parse_override(text: str) -> dict[str, Any]:
     parts = dotted.strip().split(".")
     if len(parts) < 2:
         raise ConfigError(f"override key {dotted!r} must be section.key (e.g. rollout.num_answers)")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {text!r}: the value {raw!r} is not valid YAML ({_yaml_problem(error)})") from None
     nested: dict[str, Any] = {parts[-1]: value}
     for part in reversed(parts[1:-1]):
         nested = {part: nested}
     return {parts[0]: nested}
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's short reason ("found unexpected end of stream"), without its multi-line snippet."""
+    return getattr(error, "problem", None) or str(error).splitlines()[0]
 
 
 def _deep_update(base: dict, extra: dict) -> dict:
@@ -342,7 +379,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        values = yaml.safe_load(path.read_text()) or {}
+        try:
+            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            raise ConfigError(f"{where}: not valid YAML ({_yaml_problem(error)})") from None
+        except UnicodeDecodeError as error:
+            line = path.read_bytes()[: error.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
         if not isinstance(values, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections")
     for text in overrides or []:

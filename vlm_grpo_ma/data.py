@@ -8,6 +8,7 @@ next sample of that task's own stream; its state is the draw count and every tas
 
 from __future__ import annotations
 
+import math
 import random
 
 from vlm_grpo_ma.registry import Sample
@@ -60,9 +61,9 @@ class TaskMixture:
     def __init__(self, streams: dict[str, PromptStream], weights: dict[str, float], seed: int):
         if set(streams) != set(weights) or not streams:
             raise ValueError(f"a task mixture needs one stream per weighted task, got {sorted(streams)} / {sorted(weights)}")
-        bad = {name: w for name, w in weights.items() if not w > 0}
-        if bad:
-            raise ValueError(f"task mixture weights must be > 0, got {bad}")
+        bad = {name: w for name, w in weights.items() if not (w > 0 and math.isfinite(w))}
+        if bad:  # an infinite weight would draw that task only
+            raise ValueError(f"task mixture weights must be finite and > 0, got {bad}")
         self.streams = streams
         self.names = sorted(weights)
         total = sum(weights.values())

@@ -20,7 +20,9 @@ class RunLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # purge_step: TensorBoard drops the earlier events of the steps a resumed run logs again
+            purge_step = start_step + 1 if start_step else 0
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress_bar, unit="step", dynamic_ncols=True)
 
     def log_step(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
@@ -52,6 +54,30 @@ class RunLogger:
         self.rollouts_file.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def drop_records_after(run_dir: Path, step: int) -> None:
+    """Before a run resumes from its checkpoint of ``step``: delete the metrics.jsonl and rollouts.jsonl
+    records of later steps (logged before a crash, and logged again now). From step 0 (no checkpoint) every
+    record goes, the held-out evaluation of step 0 included. Each file is rewritten atomically."""
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        path = Path(run_dir) / name
+        if not path.exists():
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if step > 0 and line.strip() and _step_of(line) <= step]
+        if len(kept) != len(lines):
+            tmp = path.with_name(name + ".tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
+
+
+def _step_of(line: str) -> float:
+    """The record's step; a line cut short by a crash has none and is dropped (as infinitely late)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from vlm_grpo_ma.coords import CoordinateFrame, Size
+from vlm_grpo_ma.images import ImageLoadError, decode_image  # noqa: F401  (ImageLoadError: re-exported)
 from vlm_grpo_ma.registry import Sample
 
 SUPPORTED_MODEL_TYPES = {
@@ -34,8 +35,6 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
-class ImageLoadError(ValueError):
-    """An image file is missing or cannot be decoded."""
 
 
 def coordinate_frame_for(model_type: str) -> CoordinateFrame:
@@ -202,13 +201,8 @@ class EncodedPrompt:
 
 
 def open_image(image) -> Image.Image:
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    try:
-        with Image.open(image) as opened:
-            return opened.convert("RGB")
-    except (OSError, ValueError) as error:
-        raise ImageLoadError(f"cannot load image {image!r}: {error}") from error
+    """Decoded RGB image; ImageLoadError (which callers skip) for a missing, broken or over-large one."""
+    return decode_image(image)
 
 
 def prompt_messages(sample: Sample, instruction: str) -> list[dict]:

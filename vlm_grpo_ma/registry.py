@@ -7,10 +7,13 @@ package, and ``import_task_modules()`` imports the extra modules a config names.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import logging
 import pkgutil
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,3 +154,28 @@ def import_task_modules(modules: Sequence[str]) -> None:
             spec.loader.exec_module(mod)
         else:
             importlib.import_module(module)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rows a loader skipped (an unreadable image): skipped, logged and counted, never fatal
+
+_load_skips: list[Counter] = []  # the open count_load_skips() scopes, innermost last
+
+
+def skip_row(reason: str, where: str, error: Exception | str) -> None:
+    """Called by a task loader that drops a row (``reason`` e.g. "broken_images"): logs it and counts it in
+    every open ``count_load_skips()`` scope."""
+    logging.getLogger("vlm_grpo_ma.data").warning("skipping %s: %s", where, error)
+    for counts in _load_skips:
+        counts[reason] += 1
+
+
+@contextlib.contextmanager
+def count_load_skips():
+    """``with count_load_skips() as skipped: task.load(...)`` -> ``skipped["broken_images"]`` rows dropped."""
+    counts = Counter()
+    _load_skips.append(counts)
+    try:
+        yield counts
+    finally:
+        _load_skips.remove(counts)

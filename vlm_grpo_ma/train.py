@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from vlm_grpo_ma import checkpoint as ckpt
-from vlm_grpo_ma import lora
+from vlm_grpo_ma import lora, survive
 from vlm_grpo_ma.advantages import grpo_ma_advantages
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
@@ -30,7 +30,7 @@ from vlm_grpo_ma.data import PromptStream, TaskMixture
 from vlm_grpo_ma.diagnostics import GradSpikeMonitor, thought_value_noise, zero_signal_shares
 from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
 from vlm_grpo_ma.loss import aggregation_weights, policy_loss
-from vlm_grpo_ma.metrics import RunLogger, format_summary, read_metrics, summarize
+from vlm_grpo_ma.metrics import RunLogger, drop_records_after, format_summary, read_metrics, summarize
 from vlm_grpo_ma.policy import (
     CompletionScorer,
     EncodedPrompt,
@@ -42,7 +42,7 @@ from vlm_grpo_ma.policy import (
     load_policy,
     prompt_generators,
 )
-from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules
+from vlm_grpo_ma.registry import Sample, Task, count_load_skips, get_task, import_task_modules
 from vlm_grpo_ma.rewards import ScoredRollout, check_reward_overrides, score_rollout
 from vlm_grpo_ma.rollout import Rollout, generate_rollout
 
@@ -182,6 +182,7 @@ def update_policy(
             mismatch = ((logprobs.detach().cpu() - micro.sampling_logprobs).abs() * (micro.token_mask > 0)).max()
             stats["logprob_mismatch_max"] = max(stats["logprob_mismatch_max"], float(mismatch))
         grad_norms.append(float(accelerator.clip_grad_norm_(lora.trainable_parameters(scorer_model(scorer)), cfg.train.max_grad_norm)))
+        survive.check_update_finite(stats["loss"], grad_norms[-1])
         if guard is not None:
             guard.weights_changed = True
         optimizer.step()
@@ -536,7 +537,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     accelerator.wait_for_everyone()
 
     # --- tasks and data ---------------------------------------------------------------------------------
-    tasks, stream = load_prompt_stream(cfg)
+    with count_load_skips() as load_skips:  # rows dropped at load (an unreadable image), counted below
+        tasks, stream = load_prompt_stream(cfg)
     eval_sets = load_eval_sets(cfg, tasks)
 
     # --- model, reference, optimiser ----------------------------------------------------------------------
@@ -558,6 +560,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
 
     if accelerator.is_main_process:
         save_config(cfg, run_dir / "config.yaml")
+        drop_records_after(run_dir, start_step)  # a resumed run logs the steps after its checkpoint again
         log.info(
             "model %s (%s, %d parameters, attention %s, coordinate frame %s); tasks %s with %d samples; "
             "K=%d thoughts x M=%d answers; %d process(es) of %d prompts each",
@@ -581,6 +584,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         start_step=start_step,
     )
     counters = Counter(history_state["counters"]) if history_state else Counter()
+    for reason, n in load_skips.items():  # set, not added: a resumed run has loaded (and skipped) them again
+        counters[f"skipped_{reason}_at_load"] = n
     instruction_of = lambda name: get_task(name).instruction  # noqa: E731
 
     def save(step: int) -> None:
@@ -614,6 +619,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         spikes.load_state_dict(history_state["spikes"])
     completed = {"data": stream.state_dict(), "counters": dict(counters), "spikes": spikes.state_dict()}
     guard = UpdateGuard()
+    restore_sigterm = survive.raise_on_sigterm()  # SIGTERM saves and stops like Ctrl-C (exit code 143)
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
@@ -651,7 +657,11 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts=cfg.rollout.truncated_thoughts)
             policy.model.train()
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step's update uses
+            survive.check_step_finite(step + 1, None, scored.rewards, (thought_adv, answer_adv), {}, learning_rate)
             update = update_policy(scorer, batch, prompts, cfg, accelerator, optimizer, reference, guard)
+            survive.check_step_finite(  # NaN/inf stops the run here, before anything is checkpointed
+                step + 1, policy.model, scored.rewards, (thought_adv, answer_adv), update, learning_rate
+            )
             scheduler.step()
             step += 1
             guard.weights_changed = False
@@ -690,6 +700,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             save(step)
         raise
     finally:
+        restore_sigterm()
         logger.close()
 
     headline = ["reward/mean"] + [f"reward/{t.metrics[0]}" for t in tasks.values() if t.metrics]
@@ -756,8 +767,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found when loading the data or the model
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130  # train() saved a checkpoint of the steps done
+    except survive.NonFiniteError as error:  # the last checkpoint is kept; the message names the quantity
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as interrupt:  # train() saved a checkpoint of the steps done
+        return interrupt.exit_code if isinstance(interrupt, survive.Terminated) else 130
     return 0
 
 

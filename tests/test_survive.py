@@ -1,0 +1,368 @@
+"""Issue 12, runs that survive: SIGTERM, unreadable images, non-finite numbers, bad data messages, resumed logs."""
+
+import json
+import math
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tasks import grounding
+from tasks._common import read_rows
+from vlm_grpo_ma import train as train_module
+from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
+from vlm_grpo_ma.data import PromptStream, TaskMixture
+from vlm_grpo_ma.policy import ImageLoadError, open_image
+from vlm_grpo_ma.registry import count_load_skips
+from vlm_grpo_ma.survive import NonFiniteError
+
+ROOT = Path(__file__).resolve().parents[1]
+LENGTH_TASK = str(ROOT / "tests" / "fixtures" / "answer_length_task.py")
+TINY_RUN = [
+    "train.prompts_per_step=2",
+    "train.micro_batch_rows=3",
+    "rollout.num_thoughts=2",
+    "rollout.num_answers=2",
+    "rollout.max_thought_tokens=8",
+    "rollout.max_answer_tokens=6",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "train.eval_every=0",
+]
+
+
+def _cfg(model_dir, out_dir, *extra):
+    return train_module.load_config(
+        None,
+        [
+            f"model.name_or_path={model_dir}",
+            f"train.output_dir={out_dir}",
+            "train.steps=4",
+            *TINY_RUN,
+            *extra,
+        ],
+    )
+
+
+def _records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _bomb_png(path, side=20000):
+    """A valid PNG header declaring side x side pixels (4e8 for 20000: over twice Image.MAX_IMAGE_PIXELS, so
+    PIL raises DecompressionBombError, which is neither OSError nor ValueError), with a tiny body."""
+
+    def chunk(kind, data):
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + body)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- SIGTERM
+
+
+def test_sigterm_saves_the_last_completed_step_and_resume_continues(untrained_tiny_dir, tmp_path):
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = [
+        sys.executable,
+        "-m",
+        "vlm_grpo_ma.train",
+        "--task",
+        "grounding",
+        "--output-dir",
+        str(run),
+        f"model.name_or_path={untrained_tiny_dir}",
+        "train.steps=50",
+        "train.checkpoint_every=100",
+        *TINY_RUN,
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / "metrics.jsonl").exists() and len(_records(run / "metrics.jsonl")) >= 2):
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "no two steps within 120 s"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=60)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 143, output
+    last_logged = _records(run / "metrics.jsonl")[-1]["step"]
+    assert last_logged >= 2
+    assert latest_checkpoint(run).name == f"step-{last_logged:06d}", output  # nothing done was lost
+
+    train_module.train(_cfg(untrained_tiny_dir, run, f"train.steps={last_logged + 1}"), resume=True)
+    assert latest_checkpoint(run).name == f"step-{last_logged + 1:06d}"
+    assert [r["step"] for r in _records(run / "metrics.jsonl")] == list(range(1, last_logged + 2))
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+def test_an_image_over_the_pixel_limit_is_an_image_load_error(tmp_path):
+    with pytest.raises(ImageLoadError, match="DecompressionBombError"):
+        open_image(str(_bomb_png(tmp_path / "huge.png")))
+
+
+def _grounding_source(tmp_path, bomb):
+    """Three embedded samples (absolute image paths), a row whose image is over PIL's pixel limit but whose
+    size is given (found mid-run) and one without a size (found at load, reading the header)."""
+    rows = [
+        json.loads(line)
+        for line in (ROOT / "data" / "grounding" / "train.jsonl").read_text().splitlines()[:3]
+    ]
+    for row in rows:
+        row["image"] = str(ROOT / "data" / "grounding" / row["image"])
+    box = {"expression": "the square", "box": [1, 1, 20, 20]}
+    rows.append({"id": "huge_mid_run", "image": str(bomb), "width": 168, "height": 168, **box})
+    rows.append({"id": "huge_at_load", "image": str(bomb), **box})
+    source = tmp_path / "source.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return source
+
+
+def test_unreadable_images_are_skipped_and_counted_at_load_and_mid_run_and_resume_continues(
+    untrained_tiny_dir, tmp_path
+):
+    source = _grounding_source(tmp_path, _bomb_png(tmp_path / "huge.png"))
+    with count_load_skips() as skipped:
+        assert [s.id for s in grounding.load(source=str(source))][-1] == "huge_mid_run"
+    assert skipped == {"broken_images": 1}
+
+    run = tmp_path / "run"
+    # 6 draws from 4 samples: every sample is drawn at least once
+    train_module.train(
+        _cfg(untrained_tiny_dir, run, "train.steps=3", "train.checkpoint_every=1", f"data.source={source}")
+    )
+    last = _records(run / "metrics.jsonl")[-1]
+    assert last["count/skipped_broken_images_at_load"] == 1
+    assert last["count/skipped_broken_images"] >= 1
+    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=5", f"data.source={source}"), resume=True)
+    assert latest_checkpoint(run).name == "step-000005"
+    assert _records(run / "metrics.jsonl")[-1]["count/skipped_broken_images_at_load"] == 1  # not 2 on resume
+    assert _records(run / "metrics.jsonl")[-1]["count/skipped_broken_images"] >= 2  # passed it again, epoch 2
+
+
+def test_other_loaders_skip_and_count_an_unreadable_image_but_name_a_missing_one(tmp_path):
+    from tasks import affordance
+    from tasks._common import image_from_cell
+
+    bomb = _bomb_png(tmp_path / "huge.png")
+    scene = ROOT / "tests" / "fixtures" / "affordance" / "project" / "images" / "scene.png"
+    rows = [
+        {"id": "ok", "image": str(scene), "question": "q", "box": [1, 2, 3, 4]},
+        {"id": "huge", "image": str(bomb), "question": "q", "box": [1, 2, 3, 4]},
+    ]
+    source = tmp_path / "affordance.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with count_load_skips() as skipped:
+        assert [s.id for s in affordance.load(source=str(source))] == ["ok"]
+    assert skipped == {"broken_images": 1}
+    # image bytes in a parquet/JSON cell (vqa, math): ImageLoadError, which their loaders skip and count
+    with pytest.raises(ImageLoadError, match="rows.parquet: row 3: image bytes cannot be read"):
+        image_from_cell({"bytes": bomb.read_bytes()}, tmp_path, "rows.parquet: row 3")
+    # a missing file is a wrong path or image root: named at load, not skipped
+    missing = _grounding_rows(tmp_path, image="nowhere.png")
+    text = missing.read_text().splitlines()
+    missing.write_text(
+        text[0] + "\n" + json.dumps({k: v for k, v in json.loads(text[1]).items() if k != "width"}) + "\n"
+    )
+    with pytest.raises(FileNotFoundError, match=r"rows.jsonl:2: image file not found: .*nowhere.png"):
+        grounding.load(source=str(missing))
+
+
+# ---------------------------------------------------------------------------------------------- non-finite
+
+
+@pytest.mark.parametrize(
+    "setting, value, named",
+    [
+        ("train.learning_rate", math.inf, "train/learning_rate"),
+        ("data.reward_weights", {"iou": math.inf}, "reward"),
+    ],
+)
+def test_a_non_finite_value_stops_the_run_naming_it_and_never_checkpoints_non_finite_weights(
+    untrained_tiny_dir, tmp_path, setting, value, named
+):
+    run = tmp_path / "run"
+    cfg = _cfg(untrained_tiny_dir, run, "train.checkpoint_every=1")
+    section, key = setting.split(".")
+    setattr(getattr(cfg, section), key, value)  # as if validation had let it through
+    with pytest.raises(NonFiniteError, match=rf"step 1: {named}\b.* is not finite"):
+        train_module.train(cfg)
+    for checkpoint in list_checkpoints(run):
+        assert all(
+            torch.isfinite(t).all() for t in load_file(checkpoint / "model" / "model.safetensors").values()
+        )
+    assert list_checkpoints(run) == []
+
+
+def test_a_later_non_finite_step_keeps_the_last_finite_checkpoint(untrained_tiny_dir, tmp_path, monkeypatch):
+    real_update = train_module.update_policy
+    calls = {"n": 0}
+
+    def update_then_poison(policy, *args, **kwargs):
+        calls["n"] += 1
+        metrics = real_update(policy, *args, **kwargs)
+        if calls["n"] == 3:  # step 3's optimiser step wrote NaN into one weight
+            next(p for p in policy.model.parameters() if p.requires_grad).data[0] = float("nan")
+        return metrics
+
+    monkeypatch.setattr(train_module, "update_policy", update_then_poison)
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match=r"step 3: weight .* is not finite"):
+        train_module.train(_cfg(untrained_tiny_dir, run, "train.checkpoint_every=2"))
+    # step 3's weights are not saved (nor, being gone, step 2's again): the last checkpoint is kept as it was
+    assert [p.name for p in list_checkpoints(run)] == ["step-000002"]
+    weights = load_file(latest_checkpoint(run) / "model" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_an_infinite_task_weight_is_refused_by_the_mixture():
+    streams = {name: PromptStream([object()], seed=0) for name in ("a", "b")}
+    with pytest.raises(ValueError, match="finite and > 0"):
+        TaskMixture(streams, {"a": math.inf, "b": 1.0}, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------- data messages
+
+
+def test_jsonl_errors_name_the_file_line_and_column(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    # line 2 holds a carriage return between tokens (JSON whitespace): still one line
+    path.write_bytes(b'{"a": 1}\n{"a": 2,\r "b": 3}\n{"a": 3,, }\n')
+    with pytest.raises(ValueError) as error:
+        read_rows(path)
+    assert str(error.value).startswith(
+        f"{path}:3: not JSON (Expecting property name enclosed in double quotes at column 9)"
+    )
+    assert "line 1" not in str(error.value)
+    path.write_bytes(b'{"a": 1}\n{"a": "caf\xe9"}\n')
+    with pytest.raises(
+        ValueError, match=rf"{path}:2: not UTF-8 text \(invalid continuation byte at column 11\)"
+    ):
+        read_rows(path)
+
+
+def _grounding_rows(tmp_path, **changes):
+    image = ROOT / "data" / "grounding" / "images" / "train_00000.png"
+    good = {
+        "id": "ok",
+        "image": str(image),
+        "expression": "the square",
+        "box": [10, 10, 50, 50],
+        "width": 168,
+        "height": 168,
+    }
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "a", **changes}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"expression": 5}, r"rows.jsonl:2: 'expression' must be a non-empty string, got 5"),
+        (
+            {"box": [float("nan"), 1, 5, 5]},
+            r"rows.jsonl:2: box \[nan, 1.0, 5.0, 5.0\] must hold finite numbers",
+        ),
+        ({"box": [200, 200, 300, 300]}, r"rows.jsonl:2: box .* has no area inside the 168x168 image"),
+        ({"box": [10, 10, 10, 50]}, r"rows.jsonl:2: box .* has no area inside"),
+        ({"width": 0}, r"rows.jsonl:2: width and height must be positive numbers"),
+        ({"box": [1, "two", 3, 4]}, r"rows.jsonl:2: a box needs 4 numbers"),
+        ({"image": 7}, r"rows.jsonl:2: 'image' must be a path string"),
+    ],
+)
+def test_bad_grounding_rows_name_the_file_line_and_key(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        grounding.load(source=str(_grounding_rows(tmp_path, **changes)))
+
+
+def test_a_ground_truth_box_partly_outside_the_image_is_clipped_and_corners_sorted(tmp_path):
+    samples = grounding.load(source=str(_grounding_rows(tmp_path, box=[180, 50, 100, -5])))
+    assert samples[1].answer == [100.0, 0.0, 168.0, 50.0]
+
+
+def test_a_malformed_grounding_line_names_its_line(tmp_path):
+    path = _grounding_rows(tmp_path)
+    path.write_text(path.read_text() + "{oops\n")
+    with pytest.raises(ValueError, match=rf"{path}:3: not JSON \(Expecting property name .* at column 2\)"):
+        grounding.load(source=str(path))
+
+
+# ---------------------------------------------------------------------------------------------- resumed logs
+
+
+def test_a_resumed_run_does_not_log_its_resumed_steps_twice(untrained_tiny_dir, tmp_path):
+    run = tmp_path / "run"
+    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=3", "train.checkpoint_every=2"))
+    # killed (SIGKILL, power loss) after step 3 was logged but before it was checkpointed
+    shutil.rmtree(latest_checkpoint(run))
+    assert latest_checkpoint(run).name == "step-000002"
+    train_module.train(
+        _cfg(untrained_tiny_dir, run, "train.steps=3", "train.checkpoint_every=2"), resume=True
+    )
+    assert [r["step"] for r in _records(run / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in _records(run / "rollouts.jsonl")] == [1, 1, 2, 2, 3, 3]
+
+
+def test_a_resumed_run_replaces_its_relogged_steps_in_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vlm_grpo_ma.metrics import RunLogger
+
+    first = RunLogger(tmp_path, tensorboard=True, progress_bar=False, total_steps=3, start_step=0)
+    for step in (1, 2, 3):
+        first.log_step(step, {"reward/mean": float(step)})
+    first.close()
+    time.sleep(1.1)  # event files are named by the second: the resumed run's file sorts after the first's
+    resumed = RunLogger(tmp_path, tensorboard=True, progress_bar=False, total_steps=3, start_step=1)
+    for step in (2, 3):
+        resumed.log_step(step, {"reward/mean": 10.0 + step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 12.0), (3, 13.0)]
+
+
+def test_a_non_finite_gradient_stops_before_the_optimiser_step_and_keeps_the_steps_done(untrained_tiny_dir, tmp_path, monkeypatch):
+    """A NaN loss at step 3 is caught before the optimiser step: the weights are still step 2's, so the crash
+    path checkpoints step 2 (checkpoint_every=100: nothing was saved before) instead of losing it."""
+    real_loss = train_module.policy_loss
+    calls = {"n": 0}
+
+    def nan_at_step_3(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        calls["n"] += 1
+        return (loss * float("nan"), stats) if calls["n"] > 2 * 3 else (loss, stats)  # 3 micro-batches a step
+
+    monkeypatch.setattr(train_module, "policy_loss", nan_at_step_3)
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteError, match=r"train/(loss|grad_norm) = nan is not finite .*before the optimiser step"):
+        train_module.train(_cfg(untrained_tiny_dir, run, "train.checkpoint_every=100"))
+    assert [p.name for p in list_checkpoints(run)] == ["step-000002"]
+    weights = load_file(latest_checkpoint(run) / "model" / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in weights.values())
