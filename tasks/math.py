@@ -119,16 +119,18 @@ MAX_NUMBER_DIGITS = 40
 # A unit after a number: "%", degrees, words ("cm", "square units", "m/s", "cm^2") or \text{...}/\mathrm{...}.
 # Tokens are separated by at least one space or a slash, so a run of letters splits one way only (no
 # catastrophic backtracking on long words).
-_UNIT_TOKEN = r"(?:\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z ]*\}|[A-Za-z]+)(?:\^\{?[23]\}?|[²³])?"
+_UNIT_TOKEN = r"(?:\\(?:text|mathrm|mbox)\s*\{[A-Za-z ]*\}|[A-Za-z]+)(?:\^\{?[23]\}?|[²³])?"
 _UNIT = (
-    rf"(?:\\?%|°|\^\s*\{{?\s*\\circ\s*\}}?|\\circ|"
+    rf"(?:\\?%|°|\^\s*(?:\{{\s*\\circ\s*\}}|\\circ)|\\circ|"
     rf"{_UNIT_TOKEN}(?:(?:\s*/\s*|\s+){_UNIT_TOKEN})*)"
 )
 # One plain number as a whole answer: optional "x =", optional currency sign, sign, digits (with optional
 # thousands commas), decimals, exponent, then an optional unit. nan/inf are not numbers here: a non-finite
-# answer matches nothing.
+# answer matches nothing. No two unbounded whitespace runs are adjacent without a required character between
+# them (each optional part owns the whitespace after it), so a run of spaces splits one way only and the
+# match is linear in the length of the text.
 _PLAIN_NUMBER = re.compile(
-    rf"(?:[A-Za-z]\s*=\s*)?(?:\\?\$\s*)?(?P<sign>[-+−]?)\s*"
+    rf"(?:[A-Za-z]\s*=)?\s*(?:\\?\$\s*)?(?:(?P<sign>[-+−])\s*)?"
     rf"(?P<digits>\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)"
     rf"(?:[eE](?P<exponent>[-+]?\d{{1,3}}))?"
     rf"\s*(?:{_UNIT})?"
@@ -193,7 +195,7 @@ def plain_number(text: str) -> Decimal | None:
     match = _PLAIN_NUMBER.fullmatch(text)
     if match is None:
         return None
-    return _decimal(match["sign"], match["digits"], match["exponent"])
+    return _decimal(match["sign"] or "", match["digits"], match["exponent"])
 
 
 def single_number(text: str) -> Decimal | None:
@@ -296,10 +298,12 @@ def safe_for_math_verify(text: str) -> bool:
     if longest > MAX_SCREENED_DIGITS:
         return False
     # Factorials: only of a short literal number ("5!", "12!").
-    for match in re.finditer("!", text):
-        before = re.search(r"(\d+)\s*$", text[: match.start()])
-        if before is None or len(before.group(1)) > MAX_FACTORIAL_DIGITS:
-            return False
+    for index, char in enumerate(text):
+        if char == "!":
+            before = text[:index].rstrip()
+            digits = len(before) - len(before.rstrip("0123456789"))
+            if digits == 0 or digits > MAX_FACTORIAL_DIGITS:
+                return False
     carets = [i for i, char in enumerate(text) if char == "^"]
     if ("binom" in text or "choose" in text) and (carets or "!" in text):
         return False
