@@ -57,10 +57,6 @@ import functools
 # (imports are absolute). Only a tasks folder on sys.path would shadow it: see the check above.
 import math
 import re
-import signal
-import threading
-import time
-from collections.abc import Callable
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from typing import Any
@@ -106,9 +102,6 @@ SCHEMAS = {
 # No benchmark answer comes near this; a longer answer is wrong without being parsed (a 10,000-digit number
 # costs nothing to reject and would cost math-verify and Decimal real time).
 MAX_ANSWER_CHARS = 200
-# The wall-clock budget of one math-verify comparison (parse of both sides + verify), main thread only.
-# Legitimate answers take 1-50 ms once sympy is warm.
-MATH_VERIFY_TIME_LIMIT_S = 1.0
 # The longest digit run in a plain number: 40 digits is far past any benchmark answer and keeps Decimal work
 # trivial.
 MAX_NUMBER_DIGITS = 40
@@ -336,52 +329,6 @@ def safe_for_math_verify(text: str) -> bool:
     return True
 
 
-class _OutOfTime(BaseException):
-    """Raised by the SIGALRM handler. A BaseException so that math-verify's and sympy's ``except Exception``
-    blocks do not swallow it on the way out (neither package has a bare ``except:``)."""
-
-
-def _run_with_time_limit(function: Callable[[], Any], seconds: float) -> Any:
-    """``function()``, or None when it raises or (main thread) takes longer than ``seconds``.
-
-    In the main thread a one-shot ITIMER_REAL timer raises _OutOfTime inside ``function``; the previous
-    SIGALRM handler and any timer already running are restored afterwards. The handler raises at most once
-    and only while ``function`` is running, so the exception cannot escape from the clean-up. Elsewhere
-    (other threads, no setitimer) ``function`` runs without a limit: callers only pass screened input.
-    """
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        try:
-            return function()
-        except Exception:
-            return None
-    running = [True]
-
-    def on_alarm(signum, frame):
-        if running[0]:
-            running[0] = False
-            raise _OutOfTime
-
-    try:
-        previous_handler = signal.signal(signal.SIGALRM, on_alarm)
-    except ValueError:  # the main thread of a sub-interpreter
-        return None
-    started = time.monotonic()
-    previous_timer = signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        try:
-            result = function()
-        finally:
-            running[0] = False
-    except (_OutOfTime, Exception):
-        result = None
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous_handler)
-    if previous_timer[0] > 0:  # someone else's timer was running: give it back what was left of it
-        left = previous_timer[0] - (time.monotonic() - started)
-        signal.setitimer(signal.ITIMER_REAL, max(left, 0.001), previous_timer[1])
-    return result
-
-
 class _NoTimeoutWarning:
     """Drops math-verify's one-time "Timeout is disabled" warning: we pass timeouts of None on purpose and
     guard the calls ourselves (see the module docstring)."""
@@ -400,7 +347,7 @@ def _math_verify():
 
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(_NoTimeoutWarning())
-    # The first parse loads the LaTeX grammar (~0.4 s): do it here, outside any time limit, so that the
+    # The first parse loads the LaTeX grammar (~0.4 s): do it here, once per process, so that the
     # first graded answer of a run is not timed out.
     math_verify.parse("$1$", parsing_timeout=None)
     # Every side is handed over as one LaTeX expression ("$...$"): plain-text extraction reads only the last
@@ -410,7 +357,7 @@ def _math_verify():
 
 @functools.lru_cache(maxsize=8192)
 def _parsed(text: str) -> tuple:
-    """math-verify's parse of ``text`` as one LaTeX expression (no time limit: callers guard it)."""
+    """math-verify's parse of ``text`` as one LaTeX expression (no time limit here: the reward's deadline bounds it)."""
     module, config = _math_verify()
     return tuple(
         module.parse(f"${text}$", extraction_config=config, fallback_mode="no_fallback", parsing_timeout=None)
@@ -419,19 +366,20 @@ def _parsed(text: str) -> tuple:
 
 def math_verify_equal(prediction: str, truth: str, precision: int | None = None) -> bool | None:
     """math-verify's verdict on two unwrapped answers: True/False, or None when either side is refused by
-    ``safe_for_math_verify``, does not parse, or the comparison runs out of time."""
+    ``safe_for_math_verify``, does not parse, or math-verify raises. No time limit here: the reward's deadline
+    (``vlm_grpo_ma.reward_pool``) bounds it wherever it runs."""
     if not (safe_for_math_verify(prediction) and safe_for_math_verify(truth)):
         return None
-    module, _ = _math_verify()  # imported outside the time limit
+    module, _ = _math_verify()
 
-    def compare() -> bool | None:
+    try:
         gold, predicted = _parsed(truth), _parsed(prediction)
         if not gold or not predicted:
             return None
         rounding = precision if precision is not None else 6
         return bool(module.verify(list(gold), list(predicted), float_rounding=rounding, timeout_seconds=None))
-
-    return _run_with_time_limit(compare, MATH_VERIFY_TIME_LIMIT_S)
+    except Exception:  # noqa: BLE001 - sympy raises many kinds of error on odd input: not equivalent
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- reward
