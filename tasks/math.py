@@ -14,25 +14,40 @@ answer tag (absent, repeated, cut off) scores 0 on both parts. The reward never 
 Equivalence (``is_equivalent``), tried in this order:
   1. a ground truth without digits or LaTeX (MathVista ``text`` answers, ``meta["answer_type"] == "text"``)
      is compared as text after ``normalise_answer``;
-  2. when both sides are plain numbers (``1,000``, ``-2.5``, ``1e3``, ``$5``, ``x = 5``, ``12 cm``,
+  2. an answer whose form says it is not the answer is wrong, whatever its numbers (``refused_form``, below);
+  3. when both sides are plain numbers (``1,000``, ``-2.5``, ``1e3``, ``$5``, ``x = 5``, ``12 cm``,
      ``45^\\circ``, ``50%``: a trailing unit is dropped) they are compared exactly as decimals, or, with
      ``meta["precision"] = p`` (MathVista's number of decimals), after rounding both half-up to p decimals;
-  3. otherwise math-verify decides (``1/2`` == ``0.5`` == ``\\frac{1}{2}`` == ``\\boxed{\\frac12}``,
-     ``2\\sqrt{221}`` == ``\\sqrt{884}``, ``5\\text{ cm}`` == ``5``), rounding floats to p decimals when a
-     precision is given (6 otherwise, math-verify's default);
-  4. when math-verify cannot parse a side, or the screen below refuses it (prose such as "The answer is 12"
+  4. otherwise math-verify decides (``1/2`` == ``0.5`` == ``\\frac{1}{2}`` == ``\\boxed{\\frac12}``,
+     ``2\\sqrt{221}`` == ``\\sqrt{884}``, ``5\\text{ cm}`` == ``5``, matrices, vectors and tuples element by
+     element), rounding floats to p decimals when a precision is given (6 otherwise, math-verify's default);
+  5. when math-verify cannot parse a side, or the screen below refuses it (prose such as "The answer is 12"
      has too many letters to be a formula), the answer is right when each side holds exactly one number and
-     those match as in 2 ("5 or 6" and "1, 2, 3" hold several and are wrong).
+     those match as in 3 ("5 or 6" and "1, 2, 3" hold several and are wrong).
 Answers longer than MAX_ANSWER_CHARS are wrong without being read: no ground truth is that long.
 
+Answers that are not the answer (rule 2). Math-verify and the one-number fallback read the value out of an
+answer and ignore what the words around it say, which made three kinds of wrong answer score as right. Each is
+now wrong unless the ground truth has the same form:
+  * a negation: "not 6", "the answer is not 6", "isn't 6", ``x \\neq 6``, ``\\ne 6``, "≠" (the words not, no,
+    never, none, cannot, any "n't");
+  * a hedge when the truth is exact: ``\\approx 6``, "≈ 6", "~6", ``\\sim 6``, "about/approximately/around/
+    roughly/nearly 6". A hedge is accepted when the truth is approximate: ``meta["precision"]`` is set (MathVista
+    floats, Geometry3K's "round to the nearest tenth") or the truth hedges itself;
+  * several values where the truth is one value: "6, 6", "6; 6", "6 and 6" ("6 or 7" already failed). "One
+    value" means no comma, semicolon, matrix cell or row, "and"/"or" in the truth; the prediction lists values
+    when it has a comma or semicolon outside every bracket (thousands commas such as ``6,000`` aside) or the
+    word "and"/"or". A tuple ``(6, 6)`` is one value and is compared as a tuple (wrong against ``6``).
+
 Guarding math-verify. Sympy can take minutes or exhaust memory on short hostile input (``9^{9^{9^{9}}}``,
-``(10^{10})!``, ``\\binom{10^{10}}{10^{5}}``, ``(a+b+c+d)^{99}``), and much of that time is spent inside
-single C-level big-integer operations that no timer can interrupt. So an answer first has to pass a static
-screen (``safe_for_math_verify``: bounded length, nesting, digits, exponents, factorials, binomials), and in
-the main thread the whole parse + verify additionally runs under a SIGALRM interval timer of
-MATH_VERIFY_TIME_LIMIT_S (math-verify's own timeout uses ``signal.alarm`` with whole seconds per call, and
-raises in other threads). Signals only reach the main thread, so from any other thread only the screen
-guards it. The measurements behind each screen limit are in the comments at the limits.
+``(10^{10})!``, ``\\binom{10^{10}}{10^{5}}``, ``(a+b+c+d)^{99}``, ``\\Gamma(\\Gamma(\\Gamma(5)))``), and much of
+that time is spent inside single C-level big-integer operations that no timer can interrupt. So an answer
+first has to pass a static screen (``safe_for_math_verify``: bounded length, nesting, digits, exponents,
+factorials, binomials); ``\\begin{...}``/``\\end{...}`` environment names are not variables. What the screen
+lets through unbounded is bounded by the reward's deadline: every task reward runs in a worker process that is
+killed when it passes ``rollout.reward_timeout_s`` (``vlm_grpo_ma/reward_pool.py``), in training and
+evaluation alike, from any thread. (A SIGALRM timer used to guard the main thread only; it is gone.) The
+measurements behind each screen limit are in the comments at the limits. Every regex here is linear-time.
 
 Sources for ``load``: the embedded synthetic set (``data/math``, made by ``data/make_math.py``: counting
 questions about pictures of shapes plus text-only word problems), and local ``.jsonl``/``.json``/
@@ -242,7 +257,7 @@ MAX_FACTORIAL_DIGITS = 2
 
 _FORBIDDEN = re.compile(r"\*\*|\\(?:sum|prod|int|iint|oint|lim)(?![A-Za-z])")
 _COMMAND = re.compile(r"\\[A-Za-z]+")
-_TEXT_GROUP = re.compile(r"\\(?:text|mathrm|mbox|operatorname)\s*\{[^{}]*\}")
+_TEXT_GROUP = re.compile(r"\\(?:text|mathrm|mbox|operatorname|begin|end)\s*\{[^{}]*\}")
 _DIGIT_RUN = re.compile(r"\d+")
 
 
@@ -390,6 +405,49 @@ def is_text_answer(truth: str) -> bool:
     return not re.search(r"[\d\\]", truth) and bool(re.search(r"[A-Za-z]", truth))
 
 
+# Forms of an answer that are wrong however its numbers compare (see "Answers that are not the answer" in the
+# module docstring). All three patterns are linear: no quantifier is nested or next to another that can match
+# the same characters.
+_NEGATION = re.compile(
+    r"(?<![A-Za-z])(?:not|no|never|none|cannot)(?![A-Za-z])|n['’]t(?![A-Za-z])|\\n(?:eq?|ot)(?![A-Za-z])|≠",
+    re.IGNORECASE,
+)
+_HEDGE = re.compile(
+    r"\\approx|≈|≃|\\simeq|\\sim\s*[-+]?\d|(?<!\S)~\s*[-+]?\d"
+    r"|(?<![A-Za-z])(?:about|approx|approximately|around|roughly|nearly|almost|circa|estimated)(?![A-Za-z])",
+    re.IGNORECASE,
+)
+_LIST_WORD = re.compile(r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])", re.IGNORECASE)
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+def _lists_values(text: str) -> bool:
+    """Whether ``text`` lists several values: a comma or semicolon outside all brackets (thousands commas
+    such as ``1,000`` aside), or the word "and"/"or"."""
+    depth = 0
+    for char in _THOUSANDS_COMMA.sub("", text):
+        depth += 1 if char in "([{" else -1 if char in ")]}" else 0
+        if depth <= 0 and char in ",;":
+            return True
+    return _LIST_WORD.search(text) is not None
+
+
+def _one_value(text: str) -> bool:
+    """A ground truth that is one value: no comma, semicolon, matrix cell or row, "and"/"or" anywhere."""
+    return not re.search(r"[,;&]|\\\\", text) and _LIST_WORD.search(text) is None
+
+
+def refused_form(prediction: str, truth: str, precision: int | None = None) -> bool:
+    """Whether ``prediction`` is wrong by its form alone (after unwrapping): it negates ("not 6", "x \\neq 6")
+    and the truth does not; it hedges ("\\approx 6", "about 6") and the truth is exact (no ``precision``, no
+    hedge of its own); or it lists several values ("6, 6", "6 and 7") where the truth is one value."""
+    if _NEGATION.search(prediction) and not _NEGATION.search(truth):
+        return True
+    if _HEDGE.search(prediction) and precision is None and not _HEDGE.search(truth):
+        return True
+    return _one_value(truth) and _lists_values(prediction)
+
+
 def is_equivalent(
     prediction: str, truth: str, precision: int | None = None, *, as_text: bool = False
 ) -> bool:
@@ -404,6 +462,8 @@ def is_equivalent(
         return False
     if as_text or is_text_answer(gold):
         return normalise_answer(predicted) == normalise_answer(gold) != ""
+    if refused_form(predicted, gold, precision):
+        return False
     gold_number, predicted_number = plain_number(gold), plain_number(predicted)
     if gold_number is not None and predicted_number is not None:
         return numbers_match(predicted_number, gold_number, precision)
