@@ -9,14 +9,18 @@ its worker is killed (SIGKILL) and replaced. A worker that dies (a crash, ``sys.
 job as an error and is replaced too. Each job is independent, so the results do not depend on the number of
 workers or on the order in which they finish.
 
-Workers are started with the ``forkserver`` method: the fork server is a fresh interpreter that imports this
-module and the built-in task modules once, and each worker is a cheap fork of it (a replacement takes
-milliseconds). Forking the trainer itself would copy a process that runs torch and CUDA threads. Functions are
-pickled by reference (module and name), so a worker imports the reward's module when it receives the first job
-of that task: before the job of a task from ``data.task_modules`` the worker imports the modules that
-``registry.import_task_modules`` was given in the parent (``user_task_*`` modules exist only after that).
-The clock of a job starts when the worker has received it, so a first import (a task module that imports torch)
-is not counted against the deadline; receiving has its own, longer limit (``LOAD_LIMIT_S``).
+Workers are fresh interpreters (``python -c``, given the parent's ``sys.path``) that talk to the parent over a
+socket pair. Not ``fork``: forking the trainer would copy a process that runs torch and CUDA threads. Not
+``multiprocessing``'s spawn or forkserver either: their children re-import the parent's ``__main__`` (the
+trainer module, torch and all, or an unguarded user script). A worker imports the built-in tasks once at
+start (about half a second, in parallel with the other workers, and not counted against any deadline).
+Functions are pickled by reference (module and name), so a worker imports the reward's module when it receives
+the first job of that task: before each job it imports the modules that ``registry.import_task_modules`` was
+given in the parent (``user_task_*`` modules from ``data.task_modules`` exist only after that). The clock of a
+job starts when the worker has received it, so a first import (a task module that imports torch) is not counted
+against the deadline; receiving has its own, longer limit (``LOAD_LIMIT_S``). A worker exits when the parent
+closes its end of the socket, and a watchdog thread ends it when the parent process is gone (a trainer killed
+with SIGKILL); ``atexit`` kills the workers of a parent that exits normally.
 
 A reward that cannot be pickled (a lambda, a closure) cannot be sent to a worker: it runs in a daemon thread of
 the caller under the same deadline, and is scored 0 and counted when it passes it, but that thread cannot be
@@ -26,17 +30,20 @@ stopped (a warning says so once per task).
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import pickle
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from multiprocessing import connection, get_context
+from dataclasses import dataclass, field
+from multiprocessing import connection
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -63,20 +70,30 @@ Outcome = tuple[dict[str, Any] | None, Exception | None]  # (parts, None) or (No
 # ---------------------------------------------------------------------------------------------- worker side
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when its parent (the fork server, which exits with the trainer) dies, so that
-    no worker stuck in a reward outlives the run."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _watch_parent(parent: int) -> None:
+    """End this worker when its parent is gone (re-parented: ``getppid`` changes), checked every second. A
+    reward stuck in one long C call holds the GIL and delays this check until the call returns."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
-def _worker_main(conn, sys_path: list[str]) -> None:
-    sys.path[:] = sys_path
-    _die_with_parent()
+def _worker_entry(fd: int, parent: int) -> None:
+    """The worker process's main: serve jobs on the socket ``fd`` until the parent closes it."""
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    _worker_main(connection.Connection(fd))
+
+
+_WORKER_CODE = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from vlm_grpo_ma.reward_pool import _worker_entry; _worker_entry(int(sys.argv[2]), int(sys.argv[3]))"
+)
+
+
+def _worker_main(conn) -> None:
+    """Serve chunks of jobs: receive ``(modules, [pickled job, ...])``, import the modules and unpickle every
+    job, answer ``("started", None)``, then one ``("done", parts)`` or ``("error", message)`` per job, in order.
+    Loading comes before "started" so that only the reward calls run against the deadline."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the trainer, which then stops the workers
     from vlm_grpo_ma.registry import import_task_modules, load_builtin_tasks
 
@@ -84,75 +101,72 @@ def _worker_main(conn, sys_path: list[str]) -> None:
     imported: set[str] = set()
     while True:
         try:
-            modules, payload = conn.recv()
+            modules, payloads = conn.recv()
         except (EOFError, OSError):
             return
-        try:
-            for module in modules:
-                if module not in imported:
-                    import_task_modules([module])
-                    imported.add(module)
-            reward, completion, sample = pickle.loads(payload)
-        except BaseException as error:  # noqa: BLE001 - reported to the parent as the job's error
-            conn.send(("error", f"loading the reward job failed: {error!r}"))
-            continue
+        jobs: list[tuple | str] = []
+        for payload in payloads:
+            try:
+                for module in modules:
+                    if module not in imported:
+                        import_task_modules([module])
+                        imported.add(module)
+                jobs.append(pickle.loads(payload))
+            except BaseException as error:  # noqa: BLE001 - reported to the parent as the job's error
+                jobs.append(f"loading the reward job failed: {error!r}")
         conn.send(("started", None))
-        try:
-            parts = dict(reward(completion, sample))
-        except BaseException as error:  # noqa: BLE001 - SystemExit in a reward must not end the worker silently
-            conn.send(("error", repr(error)))
-            continue
-        try:
-            conn.send(("done", parts))
-        except Exception as error:  # noqa: BLE001 - parts that do not pickle
-            conn.send(("error", f"the reward parts could not be sent: {error!r}"))
+        for job in jobs:
+            if isinstance(job, str):
+                conn.send(("error", job))
+                continue
+            reward, completion, sample = job
+            try:
+                parts = dict(reward(completion, sample))
+            except BaseException as error:  # noqa: BLE001 - even SystemExit: the job's error, not the worker's end
+                conn.send(("error", repr(error)))
+                continue
+            try:
+                conn.send(("done", parts))
+            except Exception as error:  # noqa: BLE001 - parts that do not pickle
+                conn.send(("error", f"the reward parts could not be sent: {error!r}"))
 
 
 # ---------------------------------------------------------------------------------------------- parent side
 
-_CONTEXT = None
-
-
-def _context():
-    """The forkserver context, with this module and the built-in tasks preloaded in the fork server."""
-    global _CONTEXT
-    if _CONTEXT is None:
-        import pkgutil
-
-        import tasks
-
-        _CONTEXT = get_context("forkserver")
-        builtin = [f"tasks.{info.name}" for info in pkgutil.iter_modules(tasks.__path__) if not info.name.startswith("_")]
-        _CONTEXT.set_forkserver_preload([__name__, *builtin])
-    return _CONTEXT
-
-
 @dataclass
 class _Worker:
+    """One worker process, and the chunk of jobs it is working through (``chunk[position]`` runs now)."""
+
     process: Any
     conn: Any
-    job: int | None = None
+    chunk: list[int] = field(default_factory=list)
+    position: int = 0
     sent_at: float = 0.0
-    started_at: float | None = None
+    started: bool = False
+    last_event: float = 0.0  # when it started the chunk or finished the previous job: the current job's start
 
     @classmethod
     def start(cls) -> _Worker:
-        context = _context()
-        ours, theirs = context.Pipe()
-        process = context.Process(target=_worker_main, args=(theirs, list(sys.path)), daemon=True, name="reward-worker")
-        process.start()
-        theirs.close()  # so that a dead worker reads as EOF on our end
-        return cls(process, ours)
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_CODE, json.dumps(sys.path), str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()  # the worker holds its own copy; a dead worker then reads as EOF on our end
+        return cls(process, connection.Connection(ours.detach()))
 
     def deadline(self, timeout_s: float) -> float:
-        if self.started_at is None:
+        if not self.started:
             return self.sent_at + max(LOAD_LIMIT_S, timeout_s)
-        return self.started_at + timeout_s
+        return self.last_event + timeout_s
 
     def stop(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(timeout=5)
+        self.process.wait()
         self.conn.close()
 
 
@@ -187,22 +201,36 @@ class RewardPool:
             except Exception:  # noqa: BLE001 - a lambda or closure reward: run here instead
                 local.append(index)
         queue = deque(sorted(payloads))
+        # Jobs go out in chunks (fewer messages: ~4 chunks per worker), each job still under its own deadline.
+        chunk_size = max(1, -(-len(queue) // (4 * workers)))
         modules = _imported_task_modules()
         while len(self._workers) < min(workers, len(queue)):
             self._workers.append(_Worker.start())
         idle = deque(self._workers[: min(workers, len(self._workers))])
         busy: dict[Any, _Worker] = {}
+
+        def finish(worker: _Worker, outcome: Outcome, *, requeue_rest: bool) -> None:
+            """Record the outcome of the worker's current job; on a dead or killed worker, put the rest of its
+            chunk back at the front of the queue."""
+            outcomes[worker.chunk[worker.position]] = outcome
+            worker.position += 1
+            worker.last_event = time.monotonic()
+            if requeue_rest:
+                queue.extendleft(reversed(worker.chunk[worker.position :]))
+                worker.chunk = worker.chunk[: worker.position]
+
         while queue or busy:
             while idle and queue:
-                worker, index = idle.popleft(), queue.popleft()
+                worker = idle.popleft()
+                chunk = [queue.popleft() for _ in range(min(chunk_size, len(queue)))]
                 try:
-                    worker.conn.send((modules, payloads[index]))
-                except (OSError, ValueError):  # the worker is gone: replace it and retry the job
-                    self._replace(worker)
-                    idle.append(self._workers[-1])
-                    queue.appendleft(index)
+                    worker.conn.send((modules, [payloads[index] for index in chunk]))
+                except (OSError, ValueError):  # the worker is gone: replace it and send the chunk again
+                    queue.extendleft(reversed(chunk))
+                    idle.append(self._replace(worker))
                     continue
-                worker.job, worker.sent_at, worker.started_at = index, time.monotonic(), None
+                worker.chunk, worker.position, worker.started = chunk, 0, False
+                worker.sent_at = time.monotonic()
                 busy[worker.conn] = worker
             next_deadline = min(worker.deadline(timeout_s) for worker in busy.values())
             for conn in connection.wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
@@ -210,24 +238,36 @@ class RewardPool:
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
-                    worker.process.join(timeout=5)
-                    outcomes[worker.job] = (None, RewardError(f"the reward worker died (exit code {worker.process.exitcode})"))
+                    exit_code = worker.process.wait()
+                    died = RewardError(f"the reward worker died (exit code {exit_code})")
+                    if worker.started:
+                        finish(worker, (None, died), requeue_rest=True)
+                    else:  # it died loading the chunk: no job of it is to blame more than another
+                        for index in worker.chunk:
+                            outcomes[index] = (None, died)
                     del busy[conn]
                     idle.append(self._replace(worker))
                     continue
                 if kind == "started":
-                    worker.started_at = time.monotonic()
+                    worker.started, worker.last_event = True, time.monotonic()
                     continue
-                outcomes[worker.job] = (value, None) if kind == "done" else (None, RewardError(value))
-                del busy[conn]
-                idle.append(worker)
+                finish(worker, (value, None) if kind == "done" else (None, RewardError(value)), requeue_rest=False)
+                if worker.position == len(worker.chunk):
+                    del busy[conn]
+                    idle.append(worker)
             now = time.monotonic()
             for conn, worker in list(busy.items()):
-                if now >= worker.deadline(timeout_s):
-                    what = "ran" if worker.started_at is not None else "was not received within"
-                    outcomes[worker.job] = (None, RewardTimeout(f"the reward {what} past its {timeout_s:g} s deadline"))
-                    del busy[conn]
-                    idle.append(self._replace(worker))
+                if now < worker.deadline(timeout_s):
+                    continue
+                if worker.started:
+                    timeout = RewardTimeout(f"the reward ran past its {timeout_s:g} s deadline")
+                    finish(worker, (None, timeout), requeue_rest=True)
+                else:
+                    timeout = RewardTimeout(f"the reward job was not received within {LOAD_LIMIT_S:g} s")
+                    for index in worker.chunk:
+                        outcomes[index] = (None, timeout)
+                del busy[conn]
+                idle.append(self._replace(worker))
         for index in local:
             outcomes[index] = self._run_local(jobs[index], timeout_s)
         return outcomes  # type: ignore[return-value]
