@@ -69,15 +69,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-@pytest.mark.parametrize("how", ["sleep", "loop"])
+@pytest.mark.parametrize(("how", "workers"), [("sleep", 1), ("loop", 3)])
 def test_a_reward_past_its_deadline_scores_zero_is_counted_and_killed(how, workers, tmp_path):
     pid_file = tmp_path / "pid"
     answers = [["ok", how, "ok", "ok"], ["ok", "ok", "ok", "ok"]]
     rollout = make_rollout("hang_on_request", answers, num_answers=2, meta={"pid_file": str(pid_file)})
     started = time.monotonic()
-    scored = score_rollout(rollout, workers=workers, timeout_s=0.5)
-    assert time.monotonic() - started < 0.5 + SLACK_S
+    scored = score_rollout(rollout, workers=workers, timeout_s=0.3)
+    assert time.monotonic() - started < 0.3 + SLACK_S
     assert scored.counters["reward_timeouts"] == 1 and scored.counters["reward_errors"] == 0
     assert scored.rewards.flatten().tolist() == [1, 0, 1, 1, 1, 1, 1, 1]
     assert scored.per_answer_parts[1] == {"reward": 0.0}
@@ -125,9 +124,9 @@ def test_hostile_math_from_a_thread_finishes_within_the_deadline():
 def test_hostile_math_through_score_rollout_with_workers():
     answers = [[f"<answer>{GAMMA}</answer>", "<answer>6</answer>", "<answer>7</answer>", "<answer>6</answer>"]]
     rollout = make_rollout("math", answers, num_answers=2)
-    score_rollout(make_rollout("math", [["<answer>1+1</answer>"] * 4], num_answers=2), workers=4)  # warm sympy up
+    score_rollout(make_rollout("math", [["<answer>1+1</answer>"] * 2], num_answers=1), workers=2)  # import sympy
     started = time.monotonic()
-    scored = score_rollout(rollout, workers=4, timeout_s=1.0)
+    scored = score_rollout(rollout, workers=2, timeout_s=1.0)
     assert time.monotonic() - started < 1.0 + SLACK_S
     assert scored.counters["reward_timeouts"] == 1
     assert scored.parts["accuracy"].flatten().tolist()[1:] == [1, 0, 1]
