@@ -1,6 +1,11 @@
 """Table tests for the shared parsers in tasks/_common.py: well-formed and malformed model output."""
 
 import math
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -209,13 +214,6 @@ def test_normalise_answer(text, expected):
 # regex does not release the GIL, so a thread cannot time it out: the cases run in one child process, one
 # after another, and a case that prints no result within CASE_LIMIT_S is killed and reported. Linear code
 # takes at most ~30 ms on any of them; the old code took seconds to forever.
-
-import json as _json
-import select
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 CASE_LIMIT_S = 1.0
 REPO = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ import reward_test_tasks  # noqa: F401 - registers the test tasks
 import torch
 
 from vlm_grpo_ma.registry import Completion, Sample, Task, get_task, register_task
-from vlm_grpo_ma.rewards import score_rollout, task_reward
 from vlm_grpo_ma.reward_pool import RewardError, RewardTimeout
+from vlm_grpo_ma.rewards import score_rollout, task_reward
 from vlm_grpo_ma.rollout import Rollout
 
 SLACK_S = 3.0  # killing and replacing a worker, pickling, a loaded 2-core machine
