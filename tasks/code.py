@@ -92,7 +92,10 @@ MBPP_KEYS = ("task_id", "text", "test_list")
 
 # The first fenced block: ``` + optional language tag + newline, up to the closing fence (or the end of the
 # answer, for a fence the model never closed).
-_FENCE = re.compile(r"```[ \t]*[\w+.-]*[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)
+# The optional language tag is one group that must start with a tag character, so the two runs of spaces/tabs
+# around it never meet: ``[ \t]*[\w+.-]*[ \t]*`` could split one run of blanks in many ways (quadratic time on
+# a fence followed by 10,000 blanks and no newline).
+_FENCE = re.compile(r"```[ \t]*(?:[\w+.-]+[ \t]*)?\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 @dataclass(frozen=True)

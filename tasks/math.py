@@ -14,25 +14,40 @@ answer tag (absent, repeated, cut off) scores 0 on both parts. The reward never 
 Equivalence (``is_equivalent``), tried in this order:
   1. a ground truth without digits or LaTeX (MathVista ``text`` answers, ``meta["answer_type"] == "text"``)
      is compared as text after ``normalise_answer``;
-  2. when both sides are plain numbers (``1,000``, ``-2.5``, ``1e3``, ``$5``, ``x = 5``, ``12 cm``,
+  2. an answer whose form says it is not the answer is wrong, whatever its numbers (``refused_form``, below);
+  3. when both sides are plain numbers (``1,000``, ``-2.5``, ``1e3``, ``$5``, ``x = 5``, ``12 cm``,
      ``45^\\circ``, ``50%``: a trailing unit is dropped) they are compared exactly as decimals, or, with
      ``meta["precision"] = p`` (MathVista's number of decimals), after rounding both half-up to p decimals;
-  3. otherwise math-verify decides (``1/2`` == ``0.5`` == ``\\frac{1}{2}`` == ``\\boxed{\\frac12}``,
-     ``2\\sqrt{221}`` == ``\\sqrt{884}``, ``5\\text{ cm}`` == ``5``), rounding floats to p decimals when a
-     precision is given (6 otherwise, math-verify's default);
-  4. when math-verify cannot parse a side, or the screen below refuses it (prose such as "The answer is 12"
+  4. otherwise math-verify decides (``1/2`` == ``0.5`` == ``\\frac{1}{2}`` == ``\\boxed{\\frac12}``,
+     ``2\\sqrt{221}`` == ``\\sqrt{884}``, ``5\\text{ cm}`` == ``5``, matrices, vectors and tuples element by
+     element), rounding floats to p decimals when a precision is given (6 otherwise, math-verify's default);
+  5. when math-verify cannot parse a side, or the screen below refuses it (prose such as "The answer is 12"
      has too many letters to be a formula), the answer is right when each side holds exactly one number and
-     those match as in 2 ("5 or 6" and "1, 2, 3" hold several and are wrong).
+     those match as in 3 ("5 or 6" and "1, 2, 3" hold several and are wrong).
 Answers longer than MAX_ANSWER_CHARS are wrong without being read: no ground truth is that long.
 
+Answers that are not the answer (rule 2). Math-verify and the one-number fallback read the value out of an
+answer and ignore what the words around it say, which made three kinds of wrong answer score as right. Each is
+now wrong unless the ground truth has the same form:
+  * a negation: "not 6", "the answer is not 6", "isn't 6", ``x \\neq 6``, ``\\ne 6``, "≠" (the words not, no,
+    never, none, cannot, any "n't");
+  * a hedge when the truth is exact: ``\\approx 6``, "≈ 6", "~6", ``\\sim 6``, "about/approximately/around/
+    roughly/nearly 6". A hedge is accepted when the truth is approximate: ``meta["precision"]`` is set (MathVista
+    floats, Geometry3K's "round to the nearest tenth") or the truth hedges itself;
+  * several values where the truth is one value: "6, 6", "6; 6", "6 and 6" ("6 or 7" already failed). "One
+    value" means no comma, semicolon, matrix cell or row, "and"/"or" in the truth; the prediction lists values
+    when it has a comma or semicolon outside every bracket (thousands commas such as ``6,000`` aside) or the
+    word "and"/"or". A tuple ``(6, 6)`` is one value and is compared as a tuple (wrong against ``6``).
+
 Guarding math-verify. Sympy can take minutes or exhaust memory on short hostile input (``9^{9^{9^{9}}}``,
-``(10^{10})!``, ``\\binom{10^{10}}{10^{5}}``, ``(a+b+c+d)^{99}``), and much of that time is spent inside
-single C-level big-integer operations that no timer can interrupt. So an answer first has to pass a static
-screen (``safe_for_math_verify``: bounded length, nesting, digits, exponents, factorials, binomials), and in
-the main thread the whole parse + verify additionally runs under a SIGALRM interval timer of
-MATH_VERIFY_TIME_LIMIT_S (math-verify's own timeout uses ``signal.alarm`` with whole seconds per call, and
-raises in other threads). Signals only reach the main thread, so from any other thread only the screen
-guards it. The measurements behind each screen limit are in the comments at the limits.
+``(10^{10})!``, ``\\binom{10^{10}}{10^{5}}``, ``(a+b+c+d)^{99}``, ``\\Gamma(\\Gamma(\\Gamma(5)))``), and much of
+that time is spent inside single C-level big-integer operations that no timer can interrupt. So an answer
+first has to pass a static screen (``safe_for_math_verify``: bounded length, nesting, digits, exponents,
+factorials, binomials); ``\\begin{...}``/``\\end{...}`` environment names are not variables. What the screen
+lets through unbounded is bounded by the reward's deadline: every task reward runs in a worker process that is
+killed when it passes ``rollout.reward_timeout_s`` (``vlm_grpo_ma/reward_pool.py``), in training and
+evaluation alike, from any thread. (A SIGALRM timer used to guard the main thread only; it is gone.) The
+measurements behind each screen limit are in the comments at the limits. Every regex here is linear-time.
 
 Sources for ``load``: the embedded synthetic set (``data/math``, made by ``data/make_math.py``: counting
 questions about pictures of shapes plus text-only word problems), and local ``.jsonl``/``.json``/
@@ -57,10 +72,6 @@ import functools
 # (imports are absolute). Only a tasks folder on sys.path would shadow it: see the check above.
 import math
 import re
-import signal
-import threading
-import time
-from collections.abc import Callable
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from typing import Any
@@ -107,9 +118,6 @@ SCHEMAS = {
 # No benchmark answer comes near this; a longer answer is wrong without being parsed (a 10,000-digit number
 # costs nothing to reject and would cost math-verify and Decimal real time).
 MAX_ANSWER_CHARS = 200
-# The wall-clock budget of one math-verify comparison (parse of both sides + verify), main thread only.
-# Legitimate answers take 1-50 ms once sympy is warm.
-MATH_VERIFY_TIME_LIMIT_S = 1.0
 # The longest digit run in a plain number: 40 digits is far past any benchmark answer and keeps Decimal work
 # trivial.
 MAX_NUMBER_DIGITS = 40
@@ -120,16 +128,18 @@ MAX_NUMBER_DIGITS = 40
 # A unit after a number: "%", degrees, words ("cm", "square units", "m/s", "cm^2") or \text{...}/\mathrm{...}.
 # Tokens are separated by at least one space or a slash, so a run of letters splits one way only (no
 # catastrophic backtracking on long words).
-_UNIT_TOKEN = r"(?:\\(?:text|mathrm|mbox)\s*\{\s*[A-Za-z ]*\}|[A-Za-z]+)(?:\^\{?[23]\}?|[²³])?"
+_UNIT_TOKEN = r"(?:\\(?:text|mathrm|mbox)\s*\{[A-Za-z ]*\}|[A-Za-z]+)(?:\^\{?[23]\}?|[²³])?"
 _UNIT = (
-    rf"(?:\\?%|°|\^\s*\{{?\s*\\circ\s*\}}?|\\circ|"
+    rf"(?:\\?%|°|\^\s*(?:\{{\s*\\circ\s*\}}|\\circ)|\\circ|"
     rf"{_UNIT_TOKEN}(?:(?:\s*/\s*|\s+){_UNIT_TOKEN})*)"
 )
 # One plain number as a whole answer: optional "x =", optional currency sign, sign, digits (with optional
 # thousands commas), decimals, exponent, then an optional unit. nan/inf are not numbers here: a non-finite
-# answer matches nothing.
+# answer matches nothing. No two unbounded whitespace runs are adjacent without a required character between
+# them (each optional part owns the whitespace after it), so a run of spaces splits one way only and the
+# match is linear in the length of the text.
 _PLAIN_NUMBER = re.compile(
-    rf"(?:[A-Za-z]\s*=\s*)?(?:\\?\$\s*)?(?P<sign>[-+−]?)\s*"
+    rf"(?:[A-Za-z]\s*=)?\s*(?:\\?\$\s*)?(?:(?P<sign>[-+−])\s*)?"
     rf"(?P<digits>\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)"
     rf"(?:[eE](?P<exponent>[-+]?\d{{1,3}}))?"
     rf"\s*(?:{_UNIT})?"
@@ -194,7 +204,7 @@ def plain_number(text: str) -> Decimal | None:
     match = _PLAIN_NUMBER.fullmatch(text)
     if match is None:
         return None
-    return _decimal(match["sign"], match["digits"], match["exponent"])
+    return _decimal(match["sign"] or "", match["digits"], match["exponent"])
 
 
 def single_number(text: str) -> Decimal | None:
@@ -248,7 +258,7 @@ MAX_FACTORIAL_DIGITS = 2
 
 _FORBIDDEN = re.compile(r"\*\*|\\(?:sum|prod|int|iint|oint|lim)(?![A-Za-z])")
 _COMMAND = re.compile(r"\\[A-Za-z]+")
-_TEXT_GROUP = re.compile(r"\\(?:text|mathrm|mbox|operatorname)\s*\{[^{}]*\}")
+_TEXT_GROUP = re.compile(r"\\(?:text|mathrm|mbox|operatorname|begin|end)\s*\{[^{}]*\}")
 _DIGIT_RUN = re.compile(r"\d+")
 
 
@@ -297,10 +307,12 @@ def safe_for_math_verify(text: str) -> bool:
     if longest > MAX_SCREENED_DIGITS:
         return False
     # Factorials: only of a short literal number ("5!", "12!").
-    for match in re.finditer("!", text):
-        before = re.search(r"(\d+)\s*$", text[: match.start()])
-        if before is None or len(before.group(1)) > MAX_FACTORIAL_DIGITS:
-            return False
+    for index, char in enumerate(text):
+        if char == "!":
+            before = text[:index].rstrip()
+            digits = len(before) - len(before.rstrip("0123456789"))
+            if digits == 0 or digits > MAX_FACTORIAL_DIGITS:
+                return False
     carets = [i for i, char in enumerate(text) if char == "^"]
     if ("binom" in text or "choose" in text) and (carets or "!" in text):
         return False
@@ -333,52 +345,6 @@ def safe_for_math_verify(text: str) -> bool:
     return True
 
 
-class _OutOfTime(BaseException):
-    """Raised by the SIGALRM handler. A BaseException so that math-verify's and sympy's ``except Exception``
-    blocks do not swallow it on the way out (neither package has a bare ``except:``)."""
-
-
-def _run_with_time_limit(function: Callable[[], Any], seconds: float) -> Any:
-    """``function()``, or None when it raises or (main thread) takes longer than ``seconds``.
-
-    In the main thread a one-shot ITIMER_REAL timer raises _OutOfTime inside ``function``; the previous
-    SIGALRM handler and any timer already running are restored afterwards. The handler raises at most once
-    and only while ``function`` is running, so the exception cannot escape from the clean-up. Elsewhere
-    (other threads, no setitimer) ``function`` runs without a limit: callers only pass screened input.
-    """
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        try:
-            return function()
-        except Exception:
-            return None
-    running = [True]
-
-    def on_alarm(signum, frame):
-        if running[0]:
-            running[0] = False
-            raise _OutOfTime
-
-    try:
-        previous_handler = signal.signal(signal.SIGALRM, on_alarm)
-    except ValueError:  # the main thread of a sub-interpreter
-        return None
-    started = time.monotonic()
-    previous_timer = signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        try:
-            result = function()
-        finally:
-            running[0] = False
-    except (_OutOfTime, Exception):
-        result = None
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous_handler)
-    if previous_timer[0] > 0:  # someone else's timer was running: give it back what was left of it
-        left = previous_timer[0] - (time.monotonic() - started)
-        signal.setitimer(signal.ITIMER_REAL, max(left, 0.001), previous_timer[1])
-    return result
-
-
 class _NoTimeoutWarning:
     """Drops math-verify's one-time "Timeout is disabled" warning: we pass timeouts of None on purpose and
     guard the calls ourselves (see the module docstring)."""
@@ -397,7 +363,7 @@ def _math_verify():
 
     for name in ("math_verify.parser", "math_verify.grader"):
         logging.getLogger(name).addFilter(_NoTimeoutWarning())
-    # The first parse loads the LaTeX grammar (~0.4 s): do it here, outside any time limit, so that the
+    # The first parse loads the LaTeX grammar (~0.4 s): do it here, once per process, so that the
     # first graded answer of a run is not timed out.
     math_verify.parse("$1$", parsing_timeout=None)
     # Every side is handed over as one LaTeX expression ("$...$"): plain-text extraction reads only the last
@@ -407,7 +373,7 @@ def _math_verify():
 
 @functools.lru_cache(maxsize=8192)
 def _parsed(text: str) -> tuple:
-    """math-verify's parse of ``text`` as one LaTeX expression (no time limit: callers guard it)."""
+    """math-verify's parse of ``text`` as one LaTeX expression (no time limit here: the reward's deadline bounds it)."""
     module, config = _math_verify()
     return tuple(
         module.parse(f"${text}$", extraction_config=config, fallback_mode="no_fallback", parsing_timeout=None)
@@ -416,19 +382,20 @@ def _parsed(text: str) -> tuple:
 
 def math_verify_equal(prediction: str, truth: str, precision: int | None = None) -> bool | None:
     """math-verify's verdict on two unwrapped answers: True/False, or None when either side is refused by
-    ``safe_for_math_verify``, does not parse, or the comparison runs out of time."""
+    ``safe_for_math_verify``, does not parse, or math-verify raises. No time limit here: the reward's deadline
+    (``vlm_grpo_ma.reward_pool``) bounds it wherever it runs."""
     if not (safe_for_math_verify(prediction) and safe_for_math_verify(truth)):
         return None
-    module, _ = _math_verify()  # imported outside the time limit
+    module, _ = _math_verify()
 
-    def compare() -> bool | None:
+    try:
         gold, predicted = _parsed(truth), _parsed(prediction)
         if not gold or not predicted:
             return None
         rounding = precision if precision is not None else 6
         return bool(module.verify(list(gold), list(predicted), float_rounding=rounding, timeout_seconds=None))
-
-    return _run_with_time_limit(compare, MATH_VERIFY_TIME_LIMIT_S)
+    except Exception:  # noqa: BLE001 - sympy raises many kinds of error on odd input: not equivalent
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- reward
@@ -437,6 +404,49 @@ def math_verify_equal(prediction: str, truth: str, precision: int | None = None)
 def is_text_answer(truth: str) -> bool:
     """A ground truth with letters but no digits and no LaTeX (``bread``, ``Yes``) is compared as text."""
     return not re.search(r"[\d\\]", truth) and bool(re.search(r"[A-Za-z]", truth))
+
+
+# Forms of an answer that are wrong however its numbers compare (see "Answers that are not the answer" in the
+# module docstring). All three patterns are linear: no quantifier is nested or next to another that can match
+# the same characters.
+_NEGATION = re.compile(
+    r"(?<![A-Za-z])(?:not|no|never|none|cannot)(?![A-Za-z])|n['’]t(?![A-Za-z])|\\n(?:eq?|ot)(?![A-Za-z])|≠",
+    re.IGNORECASE,
+)
+_HEDGE = re.compile(
+    r"\\approx|≈|≃|\\simeq|\\sim\s*[-+]?\d|(?<!\S)~\s*[-+]?\d"
+    r"|(?<![A-Za-z])(?:about|approx|approximately|around|roughly|nearly|almost|circa|estimated)(?![A-Za-z])",
+    re.IGNORECASE,
+)
+_LIST_WORD = re.compile(r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])", re.IGNORECASE)
+_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+def _lists_values(text: str) -> bool:
+    """Whether ``text`` lists several values: a comma or semicolon outside all brackets (thousands commas
+    such as ``1,000`` aside), or the word "and"/"or"."""
+    depth = 0
+    for char in _THOUSANDS_COMMA.sub("", text):
+        depth += 1 if char in "([{" else -1 if char in ")]}" else 0
+        if depth <= 0 and char in ",;":
+            return True
+    return _LIST_WORD.search(text) is not None
+
+
+def _one_value(text: str) -> bool:
+    """A ground truth that is one value: no comma, semicolon, matrix cell or row, "and"/"or" anywhere."""
+    return not re.search(r"[,;&]|\\\\", text) and _LIST_WORD.search(text) is None
+
+
+def refused_form(prediction: str, truth: str, precision: int | None = None) -> bool:
+    """Whether ``prediction`` is wrong by its form alone (after unwrapping): it negates ("not 6", "x \\neq 6")
+    and the truth does not; it hedges ("\\approx 6", "about 6") and the truth is exact (no ``precision``, no
+    hedge of its own); or it lists several values ("6, 6", "6 and 7") where the truth is one value."""
+    if _NEGATION.search(prediction) and not _NEGATION.search(truth):
+        return True
+    if _HEDGE.search(prediction) and precision is None and not _HEDGE.search(truth):
+        return True
+    return _one_value(truth) and _lists_values(prediction)
 
 
 def is_equivalent(
@@ -453,6 +463,8 @@ def is_equivalent(
         return False
     if as_text or is_text_answer(gold):
         return normalise_answer(predicted) == normalise_answer(gold) != ""
+    if refused_form(predicted, gold, precision):
+        return False
     gold_number, predicted_number = plain_number(gold), plain_number(predicted)
     if gold_number is not None and predicted_number is not None:
         return numbers_match(predicted_number, gold_number, precision)

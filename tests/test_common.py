@@ -1,6 +1,11 @@
 """Table tests for the shared parsers in tasks/_common.py: well-formed and malformed model output."""
 
 import math
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -201,3 +206,123 @@ def test_order_corners_and_clip_box():
 )
 def test_normalise_answer(text, expected):
     assert normalise_answer(text) == expected
+
+
+# ---------------------------------------------------------------------------------------------- linear time
+# Every parser must take time linear in its input. Each case below is long adversarial model output that made
+# an earlier regex backtrack (the box with three 150-space gaps took 15 s; 1,000-space gaps never ended). A
+# regex does not release the GIL, so a thread cannot time it out: the cases run in one child process, one
+# after another, and a case that prints no result within CASE_LIMIT_S is killed and reported. Linear code
+# takes at most ~30 ms on any of them; the old code took seconds to forever.
+
+CASE_LIMIT_S = 1.0
+REPO = Path(__file__).resolve().parents[1]
+N = 10_000  # a gap of spaces
+LONG = 100_000  # a run of characters
+
+ADVERSARIAL = {
+    # the issue's case, at 10,000 spaces per gap, with brackets and bare
+    "box_three_gaps": "parse_box('[1' + (' ' * N + '2') * 2 + ' ' * N + 'x]')",
+    "box_three_gaps_bare": "parse_box('1' + (' ' * N + '2') * 2 + ' ' * N + 'x')",
+    "points_three_gaps": "parse_points('(1' + ' ' * N + ',' + ' ' * N + '2' + ' ' * N + ',x)')",
+    "box_digit_run": "parse_box('[' + '1' * LONG + ']')",
+    "box_digit_space_run": "parse_box('[' + '1 ' * (LONG // 2) + ']')",
+    "box_digit_comma_space_run": "parse_box('[' + '1, ' * (LONG // 3) + ']')",
+    "points_comma_run": "parse_points('(' + ',' * LONG + ')')",
+    "nested_brackets": "parse_box('[' * (LONG // 2) + '1, 2, 3, 4' + ']' * (LONG // 2))",
+    "open_brackets": "parse_points('([' * (LONG // 2))",
+    "fence_then_spaces": "parse_box('```' + ' ' * LONG + 'x')",
+    "fence_both_sides": "parse_box('```json' + ' ' * LONG + '[1, 2, 3, 4' + ' ' * LONG + '```')",
+    "numbers_exponents": "parse_numbers('1e' * (LONG // 2))",
+    "numbers_dots": "parse_numbers('1.1.' * (LONG // 4))",
+    "think_answer_spaces": "has_think_answer_format('<think>' + ' ' * LONG + '</think>' + ' ' * LONG + '<answer>x</answer>' + ' ' * LONG + 'y')",
+    "normalise_long": "normalise_answer('a. the ' * (LONG // 7))",
+    "code_fence_blanks": "extract_program('<answer>```' + ' \\t' * (LONG // 2) + '</answer>')",
+    "code_fence_tag_run": "extract_program('<answer>' + '```py' * (LONG // 5) + '</answer>')",
+    "math_unit_text": "plain_number('5 \\\\text{' + ' ' * LONG)",
+    "math_equals_spaces": "plain_number('x =' + ' ' * LONG + 'a')",
+    "math_dollar_spaces": "plain_number('$' + ' ' * LONG + 'a')",
+    "math_degree_spaces": "plain_number('5^' + ' ' * N + '{' + ' ' * N)",
+    "math_units": "plain_number('5' + ' cm' * (LONG // 3) + '!')",
+    "math_single_number": "single_number('1,' * (LONG // 2) + 'a')",
+    "math_reward_long_answer": "is_equivalent('1 ' * (LONG // 2), '2')",
+    "math_screen_factorials": "safe_for_math_verify('1 ' * 90 + '!' * 20)",
+    "vqa_number": "as_number('1' * LONG + '/')",
+    "vqa_fraction_spaces": "as_number('1' + ' ' * LONG + '/' + ' ' * LONG + 'x')",
+    "vqa_options": "chosen_options('(B) ' + ' ' * LONG + 'x', ['a', 'b'])",
+}
+
+_RUNNER = """
+import sys, time
+from tasks._common import parse_box, parse_points, parse_numbers, has_think_answer_format, normalise_answer
+from tasks.code import extract_program
+from tasks.math import plain_number, single_number, is_equivalent, safe_for_math_verify
+from tasks.vqa import as_number, chosen_options
+N, LONG = {N}, {LONG}
+print("ready", 0, flush=True)
+for name, expression in {cases!r}:
+    started = time.perf_counter()
+    eval(expression)
+    print(name, time.perf_counter() - started, flush=True)
+"""
+
+
+def _time_cases(cases: dict[str, str]) -> dict[str, float]:
+    """Seconds each case took, or inf for one killed after CASE_LIMIT_S (the rest then run in a new child)."""
+    times: dict[str, float] = {}
+    pending = list(cases.items())
+    while pending:
+        code = _RUNNER.format(N=N, LONG=LONG, cases=pending)
+        child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        try:
+            # the imports are not timed ("ready" follows them); each case then has CASE_LIMIT_S (plus a margin)
+            ready_line = child.stdout.readline() if select.select([child.stdout], [], [], 30.0)[0] else ""
+            assert ready_line.startswith("ready"), "the parser modules did not import"
+            deadline = time.monotonic() + CASE_LIMIT_S + 0.5
+            while pending:
+                ready, _, _ = select.select([child.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                line = child.stdout.readline() if ready else ""
+                if not line:
+                    times[pending.pop(0)[0]] = float("inf")
+                    break
+                name, seconds = line.split()
+                times[name] = float(seconds)
+                pending.pop(0)
+                deadline = time.monotonic() + CASE_LIMIT_S + 0.5
+        finally:
+            child.kill()
+            child.wait()
+    return times
+
+
+@pytest.fixture(scope="module")
+def adversarial_times():
+    return _time_cases(ADVERSARIAL)
+
+
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+def test_parsers_take_linear_time_on_adversarial_input(case, adversarial_times):
+    assert adversarial_times[case] < CASE_LIMIT_S, (case, ADVERSARIAL[case], adversarial_times[case])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # the group grammar read by tokens: whitespace and/or one comma between numbers, one trailing comma
+        ("[1" + " " * 500 + "2" + " " * 500 + "3" + " " * 500 + "4]", [1.0, 2.0, 3.0, 4.0]),
+        ("[1 ,2 , 3,4 ,]", [1.0, 2.0, 3.0, 4.0]),
+        ("[ 1,\n2,\t3, 4 ]", [1.0, 2.0, 3.0, 4.0]),
+        ("[1,,2,3,4]", None),  # two commas in one gap
+        ("[,1,2,3,4]", None),  # a leading comma
+        ("[1,2,3,4,,]", None),
+        ("[1-2,3,4]", None),  # "1" and "-2" with no separator
+        ("[1.5.5,2,3,4]", None),
+        ("[1,2,3,4,5]", None),
+        ("[1e2, -2.5, +3, .5]", [100.0, -2.5, 3.0, 0.5]),
+        ("```json   [1, 2, 3, 4]   ```", [1.0, 2.0, 3.0, 4.0]),
+        ("```[1, 2, 3, 4]```", [1.0, 2.0, 3.0, 4.0]),
+        ("```", None),
+    ],
+)
+def test_box_group_grammar(text, expected):
+    assert parse_box(text) == expected

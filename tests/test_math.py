@@ -1,12 +1,10 @@
 """The math task: reward tables (equivalent forms, precision, units, malformed and hostile output), the
-math-verify guard (time limit, threads), loaders for each public schema, the embedded data, the generator."""
+math-verify screen, answer forms (negations, hedges, lists), matrices, loaders for each public schema, the embedded data, the generator."""
 
 import importlib.util
 import json
-import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from decimal import ROUND_HALF_UP, Decimal
@@ -173,6 +171,76 @@ def test_reward_table(prediction, truth, precision, correct):
     _assert_parts(parts, _expected(correct, True))
 
 
+# (id, model answer, ground truth, precision, correct): matrices, vectors and tuples. A matrix's environment name
+# ("pmatrix") is not seven free variables, so math-verify compares the matrices.
+I2 = "\\begin{pmatrix}1 & 0 \\\\ 0 & 1\\end{pmatrix}"
+STRUCTURE_TABLE = [
+    ("identity matrix against itself", I2, I2, None, True),
+    ("identity as bmatrix", I2.replace("pmatrix", "bmatrix"), I2, None, True),
+    ("matrix with a fraction", "\\begin{pmatrix}\\frac{1}{2} & 0 \\\\ 0 & 1\\end{pmatrix}",
+     "\\begin{pmatrix}0.5 & 0 \\\\ 0 & 1\\end{pmatrix}", None, True),
+    ("different matrix", "\\begin{pmatrix}1 & 0 \\\\ 0 & 2\\end{pmatrix}", I2, None, False),
+    ("permuted matrix", "\\begin{pmatrix}0 & 1 \\\\ 1 & 0\\end{pmatrix}", I2, None, False),
+    ("column vector", "\\begin{pmatrix}1 \\\\ 2\\end{pmatrix}", "\\begin{pmatrix}1 \\\\ 2\\end{pmatrix}", None, True),
+    ("column vector reversed", "\\begin{pmatrix}2 \\\\ 1\\end{pmatrix}", "\\begin{pmatrix}1 \\\\ 2\\end{pmatrix}", None, False),
+    ("row for column", "\\begin{pmatrix}1 & 2\\end{pmatrix}", "\\begin{pmatrix}1 \\\\ 2\\end{pmatrix}", None, False),
+    ("a number for a matrix", "1", I2, None, False),
+    ("tuple", "(1, 2)", "(1, 2)", None, True),
+    ("tuple spacing", "(1,2,3)", "(1, 2, 3)", None, True),
+    ("tuple reversed", "(2, 1)", "(1, 2)", None, False),
+    ("tuple with a fraction", "(\\frac{1}{2}, 3)", "(0.5, 3)", None, True),
+    ("tuple for a number", "(6, 6)", "6", None, False),
+]
+
+# (id, model answer, ground truth, precision, correct): answers whose form says they are not the answer, and
+# the accepted forms next to them that must keep passing.
+FORM_TABLE = [
+    ("negated in prose", "the answer is not 6", "6", None, False),
+    ("negated", "not 6", "6", None, False),
+    ("isn't", "it isn't 6", "6", None, False),
+    ("neq", "x \\neq 6", "6", None, False),
+    ("ne", "\\ne 6", "6", None, False),
+    ("not-equal sign", "x ≠ 6", "6", None, False),
+    ("repeated value", "6, 6", "6", None, False),
+    ("repeated value, no space", "6,6", "6", None, False),
+    ("repeated with and", "6 and 6", "6", None, False),
+    ("two values with semicolon", "6; 6", "6", None, False),
+    ("approx for an exact answer", "\\approx 6", "6", None, False),
+    ("approx sign", "≈ 6", "6", None, False),
+    ("about", "about 6", "6", None, False),
+    ("tilde", "~6", "6", None, False),
+    ("approximately after", "6 (approximately)", "6", None, False),
+    ("approx of an irrational", "\\approx 6.28", "2\\pi", None, False),
+    # accepted: an approximate truth (a precision, or a truth that hedges itself), and the plain forms
+    ("approx with a precision", "\\approx 6.28", "6.28", 2, True),
+    ("about with a precision", "about 1.4523", "1.45", 2, True),
+    ("approx against an approx truth", "\\approx 6.28", "\\approx 6.28", None, True),
+    ("plain", "6", "6", None, True),
+    ("equation", "x = 6", "6", None, True),
+    ("prose", "The answer is 6", "6", None, True),
+    ("contraction that is not a negation", "I think it's 6", "6", None, True),
+    ("unit", "6 apples", "6", None, True),
+    ("thousands comma", "6,000", "6000", None, True),
+    ("thousands comma in latex", "\\boxed{6,000}", "6000", None, True),
+    ("tilde as a latex space", "6~\\text{cm}", "6", None, True),
+    ("set of one", "\\{6\\}", "6", None, True),
+    ("list truth listed", "6, 7", "6, 7", None, True),
+    ("list truth in another order", "7, 6", "6, 7", None, True),
+    ("negated truth", "x \\neq 6", "x \\neq 6", None, True),
+    ("text truth no", "No", "no", None, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("prediction", "truth", "precision", "correct"),
+    [row[1:] for row in STRUCTURE_TABLE + FORM_TABLE],
+    ids=[row[0] for row in STRUCTURE_TABLE + FORM_TABLE],
+)
+def test_structure_and_form_table(prediction, truth, precision, correct):
+    parts = math_task.reward(_completion(_answer(prediction)), _sample(truth, precision))
+    _assert_parts(parts, _expected(correct, True))
+
+
 FORMAT_TABLE = [
     ("perfect", _answer("5"), _expected(True, True)),
     ("whitespace around tags", "\n " + T + "\n<answer> 5 </answer>\n", _expected(True, True)),
@@ -335,38 +403,6 @@ SAFE_TABLE = [
 @pytest.mark.parametrize(("text", "safe"), SAFE_TABLE, ids=[row[0] for row in SAFE_TABLE])
 def test_safe_for_math_verify(text, safe):
     assert math_task.safe_for_math_verify(text) is safe
-
-
-def test_time_limit_interrupts_python_code_and_restores_the_previous_alarm():
-    calls = []
-    previous = signal.signal(signal.SIGALRM, lambda signum, frame: calls.append(signum))
-    signal.setitimer(signal.ITIMER_REAL, 30.0)
-    try:
-
-        def spin():
-            while True:
-                pass
-
-        started = time.monotonic()
-        assert math_task._run_with_time_limit(spin, 0.2) is None
-        assert time.monotonic() - started < 1.5
-        assert math_task._run_with_time_limit(lambda: 42, 0.2) == 42
-        assert math_task._run_with_time_limit(lambda: 1 / 0, 0.2) is None
-        # our handler is gone, the caller's is back, and its timer still runs with what was left of it
-        assert signal.getsignal(signal.SIGALRM) is not None and calls == []
-        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
-        assert 25.0 < remaining < 30.0
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def test_time_limit_is_skipped_outside_the_main_thread():
-    result = []
-    thread = threading.Thread(target=lambda: result.append(math_task._run_with_time_limit(lambda: 7, 0.1)))
-    thread.start()
-    thread.join()
-    assert result == [7]
 
 
 def test_the_module_name_does_not_shadow_the_standard_library():

@@ -1,57 +1,139 @@
-"""Scoring a rollout: routing to each sample's task, raising rewards scored 0 and counted, threads or not."""
+"""Scoring a rollout: routing to each sample's task, in worker processes under a deadline; raising rewards and
+rewards past their deadline scored 0 and counted; the result independent of the number of workers."""
 
+import os
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
+import reward_test_tasks  # noqa: F401 - registers the test tasks
 import torch
-from PIL import Image
 
-from vlm_grpo_ma.policy import SamplingSettings, encode_prompt, prompt_generators
-from vlm_grpo_ma.registry import Sample, Task, register_task
-from vlm_grpo_ma.rewards import score_rollout
-from vlm_grpo_ma.rollout import generate_rollout
+from vlm_grpo_ma.registry import Completion, Sample, Task, get_task, register_task
+from vlm_grpo_ma.reward_pool import RewardError, RewardTimeout
+from vlm_grpo_ma.rewards import score_rollout, task_reward
+from vlm_grpo_ma.rollout import Rollout
 
-SEEN_THREADS = set()
-
-
-def _length_or_raise(completion, sample):
-    SEEN_THREADS.add(threading.get_ident())
-    if len(completion.answer) % 5 == 0:
-        raise RuntimeError("a buggy reward")
-    return {"length": len(completion.answer) / 10}
+SLACK_S = 3.0  # killing and replacing a worker, pickling, a loaded 2-core machine
 
 
-register_task(Task("length_or_raise", load=lambda *a: [], reward=_length_or_raise, instruction="", reward_weights={"length": 1.0}))
+def make_rollout(task: str, answers: list[list[str]], num_answers: int, meta: dict | None = None) -> Rollout:
+    """One sample per prompt; ``answers[b]`` is prompt b's K * M answers in answer-row order."""
+    num_thoughts = len(answers[0]) // num_answers
+    samples = [Sample(task, str(b), "q", (), "6", dict(meta or {})) for b in range(len(answers))]
+    completions = [Completion(thought="<think>t</think>", answer=text) for row in answers for text in row]
+    rows = len(answers) * num_thoughts
+    tree = SimpleNamespace(thought_ended_turn=[False] * rows, thought_truncated=[False] * rows, thought_ids=[[]] * rows)
+    return Rollout(samples, [None] * len(samples), num_thoughts, num_answers, tree, completions)
 
 
-@pytest.fixture(scope="module")
-def rollout(tiny_policy):
-    samples = [Sample("length_or_raise", str(i), "Say something" + "!" * i, (Image.new("RGB", (56, 56), (40 * i, 0, 0)),), None)
-               for i in range(3)]
-    prompts = [encode_prompt(tiny_policy, s, "") for s in samples]
-    settings = SamplingSettings(max_thought_tokens=6, max_answer_tokens=12, generators=prompt_generators(5, 0, 3))
-    return generate_rollout(tiny_policy, samples, prompts, num_thoughts=2, num_answers=3, settings=settings)
+LENGTH_ANSWERS = [["a" * (3 * b + i) for i in range(1, 7)] for b in range(3)]  # lengths 1..12, some % 5 == 0
 
 
-def test_threads_score_exactly_what_one_thread_scores(rollout):
-    SEEN_THREADS.clear()
+def test_workers_score_exactly_what_one_worker_scores():
+    rollout = make_rollout("length_or_raise", LENGTH_ANSWERS, num_answers=3)
     one = score_rollout(rollout, workers=1)
-    assert len(SEEN_THREADS) == 1
-    SEEN_THREADS.clear()
     many = score_rollout(rollout, workers=4)
-    assert len(SEEN_THREADS) > 1  # the pool did run rewards in several threads
+    assert len({p["pid"] for p in one.per_answer_parts if "pid" in p}) == 1
+    assert len({p["pid"] for p in many.per_answer_parts if "pid" in p}) > 1  # several processes did score
     assert torch.equal(one.rewards, many.rewards)
-    assert one.per_answer_parts == many.per_answer_parts
+    without_pid = [[{k: v for k, v in p.items() if k != "pid"} for p in s.per_answer_parts] for s in (one, many)]
+    assert without_pid[0] == without_pid[1]
     assert one.counters == many.counters
+    assert os.getpid() not in {p["pid"] for p in many.per_answer_parts if "pid" in p}  # not in this process
 
 
-def test_a_raising_reward_scores_zero_and_is_counted(rollout):
+def test_a_raising_reward_scores_zero_and_is_counted():
+    rollout = make_rollout("length_or_raise", LENGTH_ANSWERS, num_answers=3)
     scored = score_rollout(rollout, workers=4)
     raised = [a for a, c in enumerate(rollout.completions) if len(c.answer) % 5 == 0]
-    assert raised, "the sampled answers should include a length divisible by 5 (else pick another seed)"
+    assert raised
     assert scored.counters["reward_errors"] == len(raised)
-    flat = scored.rewards.flatten()
+    assert scored.counters["reward_timeouts"] == 0
     for a, completion in enumerate(rollout.completions):
-        ended = rollout.tree.thought_ended_turn[a // rollout.num_answers]
-        expected = 0.0 if a in raised or ended else len(completion.answer) / 10
-        assert float(flat[a]) == pytest.approx(expected)
+        expected = 0.0 if a in raised else len(completion.answer) / 10
+        assert float(scored.rewards.flatten()[a]) == pytest.approx(expected)
+
+
+def test_missing_weighted_part_is_an_error():
+    scored = score_rollout(make_rollout("no_ok_part", [["x", "y"]], num_answers=1), workers=2)
+    assert scored.counters["reward_errors"] == 2 and scored.rewards.sum() == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(("how", "workers"), [("sleep", 1), ("loop", 3)])
+def test_a_reward_past_its_deadline_scores_zero_is_counted_and_killed(how, workers, tmp_path):
+    pid_file = tmp_path / "pid"
+    answers = [["ok", how, "ok", "ok"], ["ok", "ok", "ok", "ok"]]
+    rollout = make_rollout("hang_on_request", answers, num_answers=2, meta={"pid_file": str(pid_file)})
+    started = time.monotonic()
+    scored = score_rollout(rollout, workers=workers, timeout_s=0.3)
+    assert time.monotonic() - started < 0.3 + SLACK_S
+    assert scored.counters["reward_timeouts"] == 1 and scored.counters["reward_errors"] == 0
+    assert scored.rewards.flatten().tolist() == [1, 0, 1, 1, 1, 1, 1, 1]
+    assert scored.per_answer_parts[1] == {"reward": 0.0}
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # the stuck worker was killed (its exit is reaped by the fork server)
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    assert not _alive(pid), "the worker stuck in the reward still runs"
+    again = score_rollout(make_rollout("hang_on_request", [["ok", "ok"]], num_answers=1), workers=workers)
+    assert again.rewards.flatten().tolist() == [1, 1]  # the pool carries on with a replacement worker
+
+
+def test_a_worker_that_dies_scores_zero_and_is_counted():
+    scored = score_rollout(make_rollout("hang_on_request", [["ok", "exit", "ok", "ok"]], num_answers=2), workers=2)
+    assert scored.counters["reward_errors"] == 1 and scored.rewards.flatten().tolist() == [1, 0, 1, 1]
+
+
+def test_a_lambda_reward_runs_here_under_the_deadline():
+    register_task(Task("lambda_reward", load=lambda *a: [], reward=lambda c, s: {"ok": float(c.answer == "y")},
+                       instruction="", reward_weights={"ok": 1.0}))
+    scored = score_rollout(make_rollout("lambda_reward", [["y", "n"]], num_answers=1), workers=2)
+    assert scored.rewards.flatten().tolist() == [1, 0]
+
+
+GAMMA = r"\Gamma(\Gamma(\Gamma(5)))"
+
+
+def test_hostile_math_from_a_thread_finishes_within_the_deadline():
+    """The issue's case: sympy never finishes on it, and a SIGALRM timer does nothing outside the main thread."""
+    math_task = get_task("math")
+    sample = Sample("math", "g", "q", (), "6", {"precision": None})
+    completion = Completion(thought="<think>t</think>", answer=f"<answer>{GAMMA}</answer>")
+    result = []
+    started = time.monotonic()
+    thread = threading.Thread(target=lambda: result.append(task_reward(math_task, math_task.reward_weights, completion, sample, timeout_s=1.0)))
+    thread.start()
+    thread.join(1.0 + SLACK_S + 10)  # + math-verify's first import in a fresh worker (not counted by the deadline)
+    assert result, "the reward did not come back"
+    parts, reward, error = result[0]
+    assert isinstance(error, RewardTimeout) and reward == 0.0 and parts == {}
+    assert time.monotonic() - started < 1.0 + SLACK_S + 10
+
+
+def test_hostile_math_through_score_rollout_with_workers():
+    answers = [[f"<answer>{GAMMA}</answer>", "<answer>6</answer>", "<answer>7</answer>", "<answer>6</answer>"]]
+    rollout = make_rollout("math", answers, num_answers=2)
+    score_rollout(make_rollout("math", [["<answer>1+1</answer>"] * 2], num_answers=1), workers=2)  # import sympy
+    started = time.monotonic()
+    scored = score_rollout(rollout, workers=2, timeout_s=1.0)
+    assert time.monotonic() - started < 1.0 + SLACK_S
+    assert scored.counters["reward_timeouts"] == 1
+    assert scored.parts["accuracy"].flatten().tolist()[1:] == [1, 0, 1]
+    assert float(scored.rewards.flatten()[0]) == 0.0
+
+
+def test_task_reward_reports_errors():
+    task = get_task("length_or_raise")
+    parts, reward, error = task_reward(task, task.reward_weights, Completion("", "abcde"), Sample("length_or_raise", "0", "q", (), None))
+    assert (parts, reward) == ({}, 0.0) and isinstance(error, RewardError) and "a buggy reward" in str(error)

@@ -54,7 +54,8 @@ class RolloutConfig:
     truncated_thoughts: str = "close"
     thought_stop: str = "</think>"
     answer_stop: str = "</answer>"
-    reward_workers: int = 8  # threads scoring answers (code rewards wait on sandboxed processes)
+    reward_workers: int = 8  # worker processes scoring answers (each reward call runs in one)
+    reward_timeout_s: float = 30.0  # deadline of one reward call; past it: killed, scored 0, count/reward_timeouts
 
 
 @dataclass
@@ -169,6 +170,7 @@ POSITIVE = (
     "rollout.max_answer_tokens",
     "rollout.temperature",
     "rollout.reward_workers",
+    "rollout.reward_timeout_s",
     "algorithm.num_iterations",
     "train.steps",
     "train.prompts_per_step",

@@ -40,6 +40,7 @@ from vlm_grpo_ma.policy import (
     prompt_generators,
 )
 from vlm_grpo_ma.registry import Sample, Task, get_task, import_task_modules
+from vlm_grpo_ma.reward_pool import RewardTimeout
 from vlm_grpo_ma.rewards import task_reward
 from vlm_grpo_ma.rollout import generate_rollout
 from vlm_grpo_ma.tiny import TINY_MODEL_NAME
@@ -120,8 +121,10 @@ def _score(task: Task, completion, sample: Sample) -> tuple[dict[str, float], ob
     """(reward parts, parsed prediction, error kind) for one answer; a raising reward or parser scores 0."""
     parts, reward, error = task_reward(task, task.reward_weights, completion, sample)
     if error is not None:
-        log.warning("reward of task %s raised %r on sample %s; scored 0", task.name, error, sample.id)
-        return {"reward": 0.0}, None, "reward"
+        timed_out = isinstance(error, RewardTimeout)
+        log.warning("reward of task %s on sample %s %s; scored 0", task.name, sample.id,
+                    error if timed_out else f"raised {error!r}")
+        return {"reward": 0.0}, None, "reward_timeout" if timed_out else "reward"
     parts["reward"] = reward
     try:
         prediction = task.parse(completion, sample) if task.parse is not None else None

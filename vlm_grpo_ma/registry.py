@@ -138,22 +138,38 @@ def load_builtin_tasks() -> None:
             importlib.import_module(f"tasks.{info.name}")
 
 
+_IMPORTED_MODULES: list[str] = []
+
+
+def imported_task_modules() -> tuple[str, ...]:
+    """Every module ``import_task_modules`` was given in this process, in order (reward worker processes
+    import the same ones, see ``vlm_grpo_ma.reward_pool``)."""
+    return tuple(_IMPORTED_MODULES)
+
+
 def import_task_modules(modules: Sequence[str]) -> None:
     """Import out-of-tree task modules: dotted module names or paths to ``.py`` files."""
     for module in modules:
-        if module.endswith(".py"):
-            path = Path(module).resolve()
-            if not path.is_file():
-                raise FileNotFoundError(f"task module file not found: {path}")
-            name = f"user_task_{path.stem}"
-            if name in sys.modules:
-                continue
-            spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-        else:
-            importlib.import_module(module)
+        _import_task_module(module)
+        recorded = str(Path(module).resolve()) if module.endswith(".py") else module
+        if recorded not in _IMPORTED_MODULES:
+            _IMPORTED_MODULES.append(recorded)
+
+
+def _import_task_module(module: str) -> None:
+    if module.endswith(".py"):
+        path = Path(module).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"task module file not found: {path}")
+        name = f"user_task_{path.stem}"
+        if name in sys.modules:
+            return
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    else:
+        importlib.import_module(module)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
-"""Route each completion to its task's reward; a raising reward is caught, scored 0 and counted."""
+"""Route each completion to its task's reward, run in a worker process under a deadline (``reward_pool``): a
+reward that raises is scored 0 and counted (``reward_errors``), one past its deadline is killed, scored 0 and
+counted (``reward_timeouts``)."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from vlm_grpo_ma.registry import Task, get_task, weighted_reward
+from vlm_grpo_ma.reward_pool import DEFAULT_TIMEOUT_S, RewardTimeout, shared_pool
 from vlm_grpo_ma.rollout import Rollout
 
 log = logging.getLogger(__name__)
@@ -20,7 +22,8 @@ class ScoredRollout:
     rewards: torch.Tensor  # [B, K, M]
     parts: dict[str, torch.Tensor]  # name -> [B, K, M] (NaN where a completion's task has no such part)
     per_answer_parts: list[dict[str, float]]  # [B * K * M], answer-row order (for rollout dumps)
-    counters: Counter = field(default_factory=Counter)  # reward_errors, thought_ended_turn, thought_truncated
+    # reward_errors, reward_timeouts, thought_ended_turn, thought_truncated, answers_after_ended_turn
+    counters: Counter = field(default_factory=Counter)
 
 
 def reward_weights_for(task: Task, overrides: dict[str, float]) -> dict[str, float]:
@@ -39,13 +42,34 @@ def check_reward_overrides(tasks: list[Task], overrides: dict[str, float]) -> No
         raise ValueError(f"data.reward_weights names unknown parts {unknown} of task(s) {names}; valid: {sorted(known)}")
 
 
-def task_reward(task: Task, weights: dict[str, float], completion, sample) -> tuple[dict[str, float], float, Exception | None]:
-    """(parts, weighted reward, None), or ({}, 0.0, the error) when the task's reward raised."""
-    try:
-        parts = dict(task.reward(completion, sample))
-        return parts, weighted_reward(parts, weights), None
-    except Exception as error:  # a reward must never stop training: scored 0 and counted by the caller
+def _weighed(outcome, weights: dict[str, float]) -> tuple[dict[str, float], float, Exception | None]:
+    parts, error = outcome
+    if error is not None:
         return {}, 0.0, error
+    try:
+        return parts, weighted_reward(parts, weights), None
+    except Exception as error:  # a part the weights name is missing or not a number
+        return {}, 0.0, error
+
+
+def score_answers(
+    jobs: list[tuple[Task, dict[str, float], object, object]], *, workers: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[tuple[dict[str, float], float, Exception | None]]:
+    """``(parts, weighted reward, None)`` per ``(task, weights, completion, sample)`` job, in order, or
+    ``({}, 0.0, error)`` when the reward raised (``RewardError``) or ran past ``timeout_s`` seconds
+    (``RewardTimeout``). The rewards run in ``workers`` worker processes; the result does not depend on it."""
+    outcomes = shared_pool().run(
+        [(task.reward, completion, sample) for task, _, completion, sample in jobs], workers=workers, timeout_s=timeout_s
+    )
+    return [_weighed(outcome, weights) for outcome, (_, weights, _, _) in zip(outcomes, jobs, strict=True)]
+
+
+def task_reward(
+    task: Task, weights: dict[str, float], completion, sample, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> tuple[dict[str, float], float, Exception | None]:
+    """(parts, weighted reward, None), or ({}, 0.0, the error) when the task's reward raised or timed out
+    (one job of ``score_answers``)."""
+    return score_answers([(task, weights, completion, sample)], timeout_s=timeout_s)[0]
 
 
 def score_rollout(
@@ -54,10 +78,11 @@ def score_rollout(
     weight_overrides: dict[str, float] | None = None,
     truncated_thoughts: str = "close",
     workers: int = 1,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ScoredRollout:
     """Score every answer. A thought that ended the turn scores 0; so does a truncated thought when
-    ``truncated_thoughts == "zero"``. With ``workers > 1`` the task rewards run in that many threads (code
-    rewards wait on sandboxed processes); the result does not depend on it."""
+    ``truncated_thoughts == "zero"``. The task rewards run in ``workers`` worker processes, each call under a
+    deadline of ``timeout_s`` seconds (``rollout.reward_timeout_s``); the result does not depend on ``workers``."""
     counters: Counter = Counter()
     flat_rewards: list[float] = []
     flat_parts: list[dict[str, float]] = []
@@ -67,15 +92,15 @@ def score_rollout(
         sample = rollout.samples[rollout.indices(a)[0]]
         task = get_task(sample.task)
         jobs.append((task, reward_weights_for(task, weight_overrides or {}), completion, sample))
-    if workers > 1 and len(jobs) > 1:
-        with ThreadPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-            results = list(pool.map(lambda job: task_reward(*job), jobs))
-    else:
-        results = [task_reward(*job) for job in jobs]
+    results = score_answers(jobs, workers=workers, timeout_s=timeout_s)
     for a, (parts, reward, error) in enumerate(results):
         task, _, _, sample = jobs[a]
         t = a // rollout.num_answers
-        if error is not None:
+        if isinstance(error, RewardTimeout):
+            counters["reward_timeouts"] += 1
+            if counters["reward_timeouts"] == 1:
+                log.warning("reward of task %s on sample %s: %s; scored 0", task.name, sample.id, error)
+        elif error is not None:
             counters["reward_errors"] += 1
             if counters["reward_errors"] == 1:
                 log.warning("reward of task %s raised %r on sample %s; scored 0", task.name, error, sample.id)

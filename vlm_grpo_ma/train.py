@@ -645,6 +645,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                 weight_overrides=cfg.data.reward_weights,
                 truncated_thoughts=cfg.rollout.truncated_thoughts,
                 workers=cfg.rollout.reward_workers,
+                timeout_s=cfg.rollout.reward_timeout_s,
             )
             counters.update(sum_over_processes(accelerator, scored.counters))
             thought_adv, answer_adv = grpo_ma_advantages(

@@ -1,0 +1,42 @@
+"""Third-party style tasks for tests/test_rewards.py, in a light module that reward worker processes import
+(a reward is sent to a worker by reference: module and name)."""
+
+import os
+import time
+from pathlib import Path
+
+from vlm_grpo_ma.registry import Task, register_task
+
+
+def length_or_raise(completion, sample):
+    """Raises on answers whose length is a multiple of 5; else the length / 10 and the worker's pid."""
+    if len(completion.answer) % 5 == 0:
+        raise RuntimeError("a buggy reward")
+    return {"length": len(completion.answer) / 10, "pid": float(os.getpid())}
+
+
+def hang_on_request(completion, sample):
+    """Sleeps or busy-loops forever when the answer says so (writing its pid to ``sample.meta["pid_file"]``
+    first); else scores 1."""
+    if completion.answer in ("sleep", "loop"):
+        if sample.meta.get("pid_file"):
+            Path(sample.meta["pid_file"]).write_text(str(os.getpid()))
+        if completion.answer == "sleep":
+            time.sleep(10_000)
+        while True:
+            pass
+    if completion.answer == "exit":
+        os._exit(3)  # the worker dies
+    return {"ok": 1.0}
+
+
+def no_ok_part(completion, sample):
+    return {"other": 1.0}
+
+
+for name, reward, weights in (
+    ("length_or_raise", length_or_raise, {"length": 1.0}),
+    ("hang_on_request", hang_on_request, {"ok": 1.0}),
+    ("no_ok_part", no_ok_part, {"ok": 1.0}),
+):
+    register_task(Task(name, load=lambda *a: [], reward=reward, instruction="", reward_weights=weights))
