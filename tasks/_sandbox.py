@@ -93,6 +93,68 @@ _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 409
 _MNT_DETACH = 2
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 _SYS_MOUNT_SETATTR = 442  # the same on every architecture since Linux 5.12
+# System calls the program's process may not make (seccomp; they fail with EPERM), per architecture: the
+# audit architecture, then the numbers of: kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo,
+# pidfd_send_signal, pidfd_open, pidfd_getfd (signals to, or handles on, other processes: the trainer when
+# there is no pid namespace), ptrace, process_vm_readv, process_vm_writev (other processes' memory),
+# memfd_create (native code from memory), unshare, setns, mount, umount2, pivot_root, chroot (the file
+# system view), bpf, perf_event_open, userfaultfd, io_uring_setup (kernel attack surface).
+_SECCOMP_REFUSED = {
+    "x86_64": (
+        0xC000003E,
+        (
+            62,
+            200,
+            234,
+            129,
+            297,
+            424,
+            434,
+            438,
+            101,
+            310,
+            311,
+            319,
+            272,
+            308,
+            165,
+            166,
+            155,
+            161,
+            321,
+            298,
+            323,
+            425,
+        ),
+    ),
+    "aarch64": (
+        0xC00000B7,
+        (
+            129,
+            130,
+            131,
+            138,
+            240,
+            424,
+            434,
+            438,
+            117,
+            270,
+            271,
+            279,
+            97,
+            268,
+            40,
+            39,
+            41,
+            51,
+            280,
+            241,
+            282,
+            425,
+        ),
+    ),
+}
 
 
 # ============================================================================================ both sides
@@ -457,7 +519,6 @@ def _program_main(job: dict, libc, request_read: int, reply_write: int) -> None:
         libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL: the program dies with its init
     layers, readable_dirs = _contain(job, libc, resource)
     flush_streams = _make_flush(sys.stdout, sys.stderr)
-    _remove_pidfd_signals()
     audit_enforced = job["audit_hook"]
     if audit_enforced:
         layers.append("audit_hook")
@@ -521,17 +582,38 @@ def _serve(namespace: dict, request_read: int, reply_write: int, finish) -> None
         _write_frame(reply_write, reply)
 
 
-def _remove_pidfd_signals() -> None:
-    """Take away ``signal.pidfd_send_signal`` and ``os.pidfd_open``: signals sent through them raise no
-    audit event. A tripwire like the hook (a program could rebuild the modules); what contains the program
-    is the pid namespace, where neither the judge nor the trainer exists."""
-    import _signal
-    import posix
+def _install_seccomp(libc) -> bool:
+    """A seccomp filter that makes the system calls in _SECCOMP_REFUSED fail with EPERM; False where the
+    architecture is unknown or the kernel refuses (needs no_new_privs first)."""
+    import ctypes
+    import platform
 
-    for module in (_signal, posix, os, sys.modules.get("signal")):
-        for name in ("pidfd_send_signal", "pidfd_open"):
-            if module is not None and hasattr(module, name):
-                delattr(module, name)
+    table = _SECCOMP_REFUSED.get(platform.machine())
+    if table is None:
+        return False
+    arch, numbers = table
+
+    class Instruction(ctypes.Structure):  # struct sock_filter, linux/filter.h
+        _fields_ = [
+            ("code", ctypes.c_uint16),
+            ("jt", ctypes.c_uint8),
+            ("jf", ctypes.c_uint8),
+            ("k", ctypes.c_uint32),
+        ]
+
+    class Program(ctypes.Structure):  # struct sock_fprog
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Instruction))]
+
+    load, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, ...
+    allow, refuse, kill = 0x7FFF0000, 0x00050000 | 1, 0x80000000  # RET_ALLOW, RET_ERRNO|EPERM, KILL_PROCESS
+    code = [(load, 0, 0, 4), (jump_eq, 1, 0, arch), (ret, 0, 0, kill), (load, 0, 0, 0)]
+    code.append((jump_ge, len(numbers) + 1, 0, 0x40000000))  # the x32 ABI's numbers: refused as a whole
+    for index, number in enumerate(numbers):
+        code.append((jump_eq, len(numbers) - index, 0, number))
+    code += [(ret, 0, 0, allow), (ret, 0, 0, refuse)]
+    instructions = (Instruction * len(code))(*[Instruction(*item) for item in code])
+    program = Program(len(code), instructions)
+    return libc.prctl(22, 2, ctypes.byref(program), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 def _contain(job: dict, libc, resource) -> tuple[list[str], dict[int, str]]:
@@ -584,6 +666,8 @@ def _contain(job: dict, libc, resource) -> tuple[list[str], dict[int, str]]:
         layers.append("no_caps")
     if libc is not None and libc.prctl(38, 1, 0, 0, 0) == 0:  # PR_SET_NO_NEW_PRIVS
         layers.append("no_new_privs")
+        if _install_seccomp(libc):
+            layers.append("seccomp")
     for name in [n for n in sys.modules if n in ("ctypes", "_ctypes") or n.startswith("ctypes.")]:
         del sys.modules[name]
     return layers, readable_dirs
@@ -777,7 +861,11 @@ def _make_audit_hook(*, reply_write, workdir, readable_dirs, enforce, flush_stre
     blocked_events, blocked_prefixes, blocked_imports = _BLOCKED_EVENTS, _BLOCKED_PREFIXES, _BLOCKED_IMPORTS
     path_events, write_flags, readable_devices = dict(_PATH_EVENTS), _WRITE_FLAGS, _READABLE_DEVICES
     workdir_slash = workdir + "/"
-    readable_prefixes = tuple(f"/proc/self/fd/{fd}" for fd in readable_dirs)
+    # Files may be read only from the working directory, the devices above and the standard library (as
+    # the program's process reaches it: sys.path, or the /proc/self/fd/N of a uid drop without namespaces);
+    # native modules only from the standard library.
+    library_dirs = tuple(entry for entry in sys.path if type_(entry) is str_ and entry.startswith("/"))
+    library_dirs += tuple(f"/proc/self/fd/{fd}" for fd in readable_dirs)
     busy = False
 
     def block(what) -> None:
@@ -834,13 +922,16 @@ def _make_audit_hook(*, reply_write, workdir, readable_dirs, enforce, flush_stre
             # os.open outside the working directory: its descriptor (of a directory) could serve as the
             # dir_fd of a write that the "open" event shows only by its relative name
             block("os.open " + normal)
-        if normal.startswith(("/proc/", "/sys/", "/dev/")) or normal in ("/proc", "/sys", "/dev"):
-            if normal in readable_devices:
-                return
-            for allowed in readable_prefixes:
-                if normal == allowed or normal.startswith(allowed + "/"):
-                    return
+        if normal in readable_devices or normal == workdir or normal.startswith(workdir_slash):
+            return
+        if not in_library(normal):
             block("open " + normal)
+
+    def in_library(normal) -> bool:
+        for directory in library_dirs:
+            if normal == directory or normal.startswith(directory + "/"):
+                return True
+        return False
 
     def hook(event, args) -> None:
         nonlocal busy
@@ -854,7 +945,11 @@ def _make_audit_hook(*, reply_write, workdir, readable_dirs, enforce, flush_stre
                 check_open(args[0], args[1], args[2])
             elif event == "import":
                 if args[0] in blocked_imports:
-                    block("import " + args[0])
+                    block("import " + shown(args[0]))
+                if args[1] is not None:  # a native module's file (Python source is checked as "open")
+                    normal = normalise(args[1])
+                    if normal is None or not in_library(normal):
+                        block("import of native code from " + shown(args[1]))
             elif event in path_events:
                 path_positions, dir_fd_positions = path_events[event]
                 for position in dir_fd_positions:
