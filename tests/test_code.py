@@ -296,14 +296,14 @@ def test_redefining_a_humaneval_helper_does_not_change_the_tests():
         ("import os\ndef add(a, b):\n    return a + b\nos._exit(0)", "crash"),  # leave before the tests
         ("import sys\ndef add(a, b):\n    sys.exit(0)", "ok"),  # SystemExit in a test just fails it
         ("print('pass 0\\npass 1\\npass 2\\npass 3\\ndone')\ndef add(a, b):\n    return -99", "ok"),
+        # writing result-like lines to every descriptor: the results pipe is not in the program's process,
+        # and garbling its own answers ends the run
         (
             "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'\\nabc pass 0\\n')\n"
             "    except OSError:\n        pass\ndef add(a, b):\n    return -99",
-            "ok",
+            "crash",
         ),  # fmt: skip
-        ("import sys\nsys.audit('vlm_grpo_ma.sandbox.report', 'pass 0')", "blocked"),
-        ("import sys\nf = sys._getframe(1)\ndef add(a, b):\n    return a + b", "blocked"),
-        ("def add(a, b):\n    import sys\n    sys._getframe(1)\n    return a + b", "blocked"),
+        ("import sys\nsys.audit('vlm_grpo_ma.sandbox.report', 'pass 0')", "ok"),
     ],
 )
 def test_forged_results_score_zero(program, status):
@@ -477,13 +477,7 @@ def test_a_daemon_that_escaped_the_session_is_swept():
     # the sandbox uid must kill it.
     limits = Limits(wall_s=2.0, cpu_s=1, memory_mb=256, processes=4)
     result = _hostile(OUTLIVER, KERNEL_ONLY, limits)
-    assert "daemon" in result.output, result
-    pid = int(result.output.split()[1])
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            assert f.read().rsplit(") ", 1)[1][0] == "Z"  # dead; at most a zombie awaiting its reaper
-    except FileNotFoundError:
-        pass
+    assert "daemon" in result.output, result  # and _hostile found no process of the sandbox uid left
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
@@ -560,7 +554,7 @@ def test_sandbox_layers_on_this_machine():
     assert result.all_passed and "rlimits" in result.layers and "audit_hook" in result.layers
     if os.geteuid() == 0:
         assert FULL == Isolation(unprivileged_uid=True, namespaces=True, audit_hook=True)
-        assert {"netns", "readonly_fs", "no_new_privs"} <= set(result.layers)
+        assert {"pidns", "netns", "private_root", "tmpfs_workdir", "no_new_privs", "seccomp"} <= set(result.layers)
         assert any(layer.startswith("uid:") for layer in result.layers)
 
 
@@ -668,15 +662,14 @@ def test_embedded_train_split_matches_the_generator():
 
 def test_every_embedded_reference_solution_passes_its_tests():
     samples = code.load("train")
-    # All 200 programs in one child, each in its own namespace (their function names repeat).
-    program = "\n".join(
-        f"ns_{i} = {{}}\nexec({s.meta['reference_answer']!r}, ns_{i})" for i, s in enumerate(samples)
-    )
-    steps = [
-        Step(f"exec({step.source!r}, ns_{i})", step.counted)
-        for i, s in enumerate(samples)
-        for step in s.answer.steps
-    ]
+    # All 200 programs in one run: sample i's function is renamed f_<i> in its program and its tests
+    # (function names repeat across samples).
+    program, steps = [], []
+    for i, sample in enumerate(samples):
+        name = sample.question.split("(")[0].split()[-1]
+        program.append(f"ns = {{}}\nexec({sample.meta['reference_answer']!r}, ns)\nf_{i} = ns[{name!r}]")
+        steps += [Step(step.source.replace(f"{name}(", f"f_{i}("), step.counted) for step in sample.answer.steps]
+    program = "\n".join(program)
     result = run_tests(program, steps, limits=Limits(wall_s=30.0, cpu_s=20))
     assert (result.status, result.passed, result.total) == ("ok", 600, 600), result
     # and the real reward path, on one sample of each family
