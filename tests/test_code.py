@@ -784,12 +784,9 @@ def test_malformed_values_are_refused(tree):
         _sandbox._decode(tree)
 
 
-# Run in a throwaway process standing in for the trainer: a program that kills its parent, or the trainer
-# itself by pid, must not take it down. The program rebuilds signal functions a cleaner could have removed.
-PIDFD_KILL = """
-import os, sys, json
-from tasks._sandbox import Isolation, Limits, Step, run_tests
-program = '''
+# Kills its parent and the trainer (TRAINER: its pid) through pidfds; it rebuilds the signal module in case
+# a cleaner took pidfd_send_signal away. Run in a throwaway process standing in for the trainer.
+PIDFD_PROGRAM = """
 import _imp, importlib.machinery, os
 signal = _imp.create_builtin(importlib.machinery.ModuleSpec('_signal', None))
 for pid in (os.getppid(), TRAINER):
@@ -799,11 +796,17 @@ for pid in (os.getppid(), TRAINER):
         print('refused', pid, error)
 def add(a, b):
     return a - b
-'''.replace('TRAINER', str(os.getpid()))
+"""
+PIDFD_KILL = (
+    "import os, sys, json\n"
+    "from tasks._sandbox import Isolation, Limits, Step, run_tests\n"
+    f"program = {PIDFD_PROGRAM!r}.replace('TRAINER', str(os.getpid()))\n"
+    """
 isolation = Isolation(**json.loads(sys.argv[1]))
 result = run_tests(program, [Step('assert add(1, 2) == 3')], isolation=isolation, limits=Limits(wall_s=5.0))
 print(json.dumps({"status": result.status, "passed": result.passed, "output": result.output}))
 """
+)
 
 
 @pytest.mark.parametrize("isolation", GALLERY_ISOLATIONS)
@@ -940,48 +943,58 @@ def test_cleanup_removes_any_depth_and_locked_folders(tmp_path):
     assert not top.exists()
 
 
+NON_ROOT_RUN = """
+import json, os, sys
+from tasks import _sandbox, code
+from tasks._sandbox import run_tests
+results = {"euid": os.geteuid(), "isolation": str(_sandbox.default_isolation())}
+sample = code.load("train")[0]
+programs = json.load(open(sys.argv[1]))
+programs["pidfd_kill"] = programs["pidfd_kill"].replace("TRAINER", str(os.getpid()))
+for name, program in programs.items():
+    result = run_tests(program, sample.answer.steps)
+    results[name] = [result.status, result.passed, list(result.layers), result.output]
+print(json.dumps(results))
+"""
+
+
 def test_the_non_root_user_namespace_mode(tmp_path):
     """The README's mode without root, simulated by a user namespace in which this test's process is uid
-    1000: every layer of that mode applies, and the hostile programs still score nothing."""
-    script = tmp_path / "nonroot.py"
-    script.write_text(
-        "import json, os, sys\n"
-        "from tasks import _sandbox, code\n"
-        "from tasks._sandbox import Step, run_tests\n"
-        "results = {'euid': os.geteuid(), 'isolation': str(_sandbox.default_isolation())}\n"
-        f"programs = {json.dumps({name: GALLERY[name][1] for name in ('read_embedded_train_split', 'replayed_test_constants_mbpp', 'class_equal_to_everything')})}\n"
-        "sample = code.load('train')[0]\n"
-        "for name, program in programs.items():\n"
-        "    result = run_tests(program, sample.answer.steps)\n"
-        "    results[name] = [result.status, result.passed, list(result.layers)]\n"
-        "honest = run_tests(sample.meta['reference_answer'], sample.answer.steps)\n"
-        "results['honest'] = [honest.status, honest.passed, honest.total]\n"
-        "print(json.dumps(results))\n"
-    )  # fmt: skip
-    command = ["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, str(script)]
+    1000 (it keeps root's access to the files, as a user keeps access to their home): every layer of that
+    mode applies, the hostile programs score nothing, the trainer survives and its files are untouched."""
+    programs = {
+        name: GALLERY[name][1] for name in ("read_embedded_train_split", "replayed_test_constants_mbpp")
+    }
+    programs["class_equal_to_everything"] = GALLERY["class_equal_to_everything"][1]
+    programs["pidfd_kill"] = PIDFD_PROGRAM
+    if shutil.which("cc") is not None:
+        (tmp_path / "secret").write_text("TOPSECRET\n")
+        (tmp_path / "secret").chmod(0o600)
+        (tmp_path / ".bashrc").write_text("# rc\n")
+        programs["native_module"] = MEMFD_LOAD.replace("PAYLOAD", repr(_native_module(tmp_path).hex()))
+    programs["honest"] = REPLACE_CHAR.meta["reference_answer"]
+    (tmp_path / "programs.json").write_text(json.dumps(programs))
+    command = ["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c", NON_ROOT_RUN]
     try:
         completed = subprocess.run(
-            command,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
+            [*command, str(tmp_path / "programs.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
     except FileNotFoundError:
         pytest.skip("no unshare(1) here")
     if completed.returncode != 0 and "unshare failed" in completed.stderr:
         pytest.skip(f"user namespaces refused here: {completed.stderr.strip()}")
-    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert completed.returncode == 0, completed.stderr[-2000:]  # the trainer stand-in survived
     results = json.loads(completed.stdout.splitlines()[-1])
     assert results["euid"] == 1000 and "namespaces=True" in results["isolation"]
-    for name in ("read_embedded_train_split", "replayed_test_constants_mbpp", "class_equal_to_everything"):
-        status, passed, layers = results[name]
-        assert passed == 0, (name, results[name])
-        assert {"userns", "pidns", "netns", "private_root", "tmpfs_workdir", "no_caps", "seccomp"} <= set(
-            layers
-        )
-    assert results["honest"] == ["ok", 3, 3]
+    layers = {"userns", "pidns", "netns", "private_root", "tmpfs_workdir", "no_caps", "seccomp", "audit_hook"}
+    for name in programs:
+        status, passed, applied, output = results[name]
+        assert layers <= set(applied), (name, applied)
+        assert passed == (3 if name == "honest" else 0), (name, results[name])
+        assert "LEAKED" not in output
+    if "native_module" in programs:
+        assert (tmp_path / ".bashrc").read_text() == "# rc\n"
 
 
 # ---------------------------------------------------------------------------------------------- loaders
