@@ -789,7 +789,7 @@ def test_malformed_values_are_refused(tree):
 PIDFD_PROGRAM = """
 import _imp, importlib.machinery, os
 signal = _imp.create_builtin(importlib.machinery.ModuleSpec('_signal', None))
-for pid in (os.getppid(), TRAINER):
+for pid in (TRAINER, os.getppid()):
     try:
         signal.pidfd_send_signal(os.pidfd_open(pid), 9)
     except OSError as error:
