@@ -195,13 +195,31 @@ def _read_frame(fd: int, limit: int):
     return json.loads(_read_exact(fd, size).decode("ascii"))
 
 
+# defaultdict factories that can cross (by name): a program's own factory is code, not data.
+_FACTORIES = ("int", "float", "str", "list", "tuple", "set", "frozenset", "dict", "bool")
+# Modules the tests may use under the name the program bound them to (MBPP tests run in the program's
+# namespace and sometimes use its imports); the judge binds its own copy, never the program's.
+_TEST_MODULES = frozenset(
+    {"math", "cmath", "re", "collections", "heapq", "itertools", "functools", "operator", "string", "bisect",
+     "statistics", "fractions", "decimal"}
+)  # fmt: skip
+
+
 def _encode(value):
-    """Plain built-in data as a JSON tree of tagged nodes; TypeError for anything else.
+    """Plain data as a JSON tree of tagged nodes; TypeError for anything else. Plain data: None, bool, int,
+    float, complex, str, bytes, bytearray, list, tuple, set, frozenset, dict, and collections' deque,
+    OrderedDict, Counter and defaultdict (with a built-in factory), nested.
 
     Types are compared by identity (a subclass of int or list could override ``__eq__``), so no code of the
     value's own runs. Floats travel as hex (exact, inf and nan included), ints as hex (no digit limit).
     """
+    import builtins
+    import collections
+
     count = 0
+
+    def pairs(mapping) -> list:
+        return [[node(key), node(element)] for key, element in dict.items(mapping)]
 
     def node(item):
         nonlocal count
@@ -226,8 +244,16 @@ def _encode(value):
         if cls is list or cls is tuple or cls is set or cls is frozenset:
             tag = "l" if cls is list else "t" if cls is tuple else "S" if cls is set else "F"
             return [tag, [node(element) for element in item]]
-        if cls is dict:
-            return ["d", [[node(key), node(element)] for key, element in item.items()]]
+        if cls is dict or cls is collections.OrderedDict or cls is collections.Counter:
+            return ["d" if cls is dict else "o" if cls is collections.OrderedDict else "C", pairs(item)]
+        if cls is collections.deque:
+            return ["q", [node(element) for element in item], item.maxlen]
+        if cls is collections.defaultdict:
+            factory = item.default_factory
+            names = [name for name in _FACTORIES if factory is getattr(builtins, name)]
+            if factory is not None and not names:
+                raise TypeError("a defaultdict whose factory is not a built-in type is not plain data")
+            return ["D", pairs(item), names[0] if names else None]
         raise TypeError(f"a {cls.__name__} is not plain built-in data")
 
     try:
@@ -237,7 +263,20 @@ def _encode(value):
 
 
 def _decode(tree):
-    """The value ``_encode`` encoded, rebuilt from fresh built-in objects; ValueError for any other tree."""
+    """The value ``_encode`` encoded, rebuilt from fresh objects of the judge's own types; ValueError for
+    any other tree."""
+    import builtins
+    import collections
+
+    def pairs(data) -> dict:
+        if type(data) is not list:
+            raise ValueError("malformed mapping")
+        result = {}
+        for pair in data:
+            if type(pair) is not list or len(pair) != 2:
+                raise ValueError("malformed mapping item")
+            result[node(pair[0])] = node(pair[1])
+        return result
 
     def node(item):
         if type(item) is not list or not item or type(item[0]) is not str:
@@ -245,15 +284,22 @@ def _decode(tree):
         tag, payload = item[0], item[1:]
         if tag == "N" and not payload:
             return None
-        if len(payload) == 2 and tag == "c":
-            if type(payload[0]) is str and type(payload[1]) is str:
-                return complex(float.fromhex(payload[0]), float.fromhex(payload[1]))
+        if len(payload) == 2:
+            first, second = payload
+            if tag == "c" and type(first) is str and type(second) is str:
+                return complex(float.fromhex(first), float.fromhex(second))
+            if tag == "q" and type(first) is list and (second is None or type(second) is int):
+                return collections.deque([node(element) for element in first], second)
+            if tag == "D" and (second is None or second in _FACTORIES):
+                return collections.defaultdict(
+                    None if second is None else getattr(builtins, second), pairs(first)
+                )
         if len(payload) != 1:
             raise ValueError("malformed value")
         (data,) = payload
         if tag == "b" and type(data) is bool:
             return data
-        if tag in "ifsyY" and len(tag) == 1 and type(data) is str:
+        if tag in ("i", "f", "s", "y", "Y") and type(data) is str:
             if tag == "i":
                 return int(data, 16)
             if tag == "f":
@@ -264,13 +310,8 @@ def _decode(tree):
         if tag in ("l", "t", "S", "F") and type(data) is list:
             items = [node(element) for element in data]
             return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
-        if tag == "d" and type(data) is list:
-            result = {}
-            for pair in data:
-                if type(pair) is not list or len(pair) != 2:
-                    raise ValueError("malformed dict item")
-                result[node(pair[0])] = node(pair[1])
-            return result
+        if tag in ("d", "o", "C"):
+            return {"d": dict, "o": collections.OrderedDict, "C": collections.Counter}[tag](pairs(data))
         raise ValueError(f"unknown value tag {tag!r}")
 
     try:
@@ -381,7 +422,8 @@ def _judge_main(result_fd: int) -> None:
         elif kind == "memory":
             report("memory")
         else:
-            _run_tests(tests, [str(name) for name in loaded[1]], proxy, report, builtins)
+            modules = {str(name): str(module) for name, module in dict(loaded[2]).items()}
+            _run_tests(tests, [str(name) for name in loaded[1]], modules, proxy, report, builtins)
     except _ProgramGone:
         pass
     if gone is not None:
@@ -401,8 +443,12 @@ def _judge_main(result_fd: int) -> None:
     report("done")
 
 
-def _run_tests(tests: dict, program_names: list[str], proxy, report, builtins) -> None:
-    """Run the test steps in a namespace of the judge's own, where the program's functions are proxies."""
+def _run_tests(tests: dict, program_names: list[str], program_modules: dict, proxy, report, builtins) -> None:
+    """Run the test steps in a namespace of the judge's own, where the program's functions are proxies
+    (``program_names``) and its imports of _TEST_MODULES are the judge's copies (``program_modules``: name
+    in the program -> module name)."""
+    import importlib
+
     namespace = {"__builtins__": builtins, "__name__": "tests"}
     if tests["context"] is not None:
         # HumanEval: the tests see the prompt's own helpers (a program cannot redefine encode_cyclic to make
@@ -414,6 +460,9 @@ def _run_tests(tests: dict, program_names: list[str], proxy, report, builtins) -
             return
     else:
         # MBPP: the tests call the program's functions by name; a name of a builtin keeps the builtin.
+        for name, module in program_modules.items():
+            if name.isidentifier() and name not in vars(builtins) and module in _TEST_MODULES:
+                namespace[name] = importlib.import_module(module)
         for name in program_names:
             if name.isidentifier() and not name.startswith("__") and name not in vars(builtins):
                 namespace[name] = proxy(name)
@@ -558,8 +607,13 @@ def _program_main(job: dict, libc, request_read: int, reply_write: int) -> None:
     except BaseException as error:  # noqa: BLE001 - the program's failure, reported by name
         _write_frame(reply_write, ["load_error", type(error).__name__])
         finish()
-    names = [name for name, value in list(namespace.items()) if type(name) is str and callable(value)]
-    _write_frame(reply_write, ["loaded", names])
+    names, modules = [], {}
+    for name, value in list(namespace.items()):
+        if type(name) is str and type(value) is types.ModuleType and type(value.__name__) is str:
+            modules[name] = value.__name__
+        elif type(name) is str and callable(value):
+            names.append(name)
+    _write_frame(reply_write, ["loaded", names, modules])
     _serve(namespace, request_read, reply_write, finish)
 
 

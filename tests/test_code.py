@@ -1,6 +1,7 @@
 """The code task: program extraction, reward tables, loaders, the embedded data, and the sandbox against
 hostile programs (each must be contained, score 0 with its reason counted, and leave nothing behind)."""
 
+import collections
 import dataclasses
 import gzip
 import importlib.util
@@ -580,6 +581,15 @@ BUILTIN_TESTS = _mbpp_sample(
 MATH_TESTS = _mbpp_sample(
     ["import math\nassert math.isclose(half(3), 1.5)", "assert abs(half(4) - 2) < 1e-9"]
 )
+# MBPP tests may use a module the program imported (they used to run in the program's namespace)
+MATH_FROM_PROGRAM = _mbpp_sample(["assert math.isclose(half(3), 1.5)", "assert math.floor(half(5)) == 2"])
+COLLECTIONS_TESTS = _mbpp_sample(
+    [
+        "from collections import Counter, deque\nassert tally('abca') == Counter({'a': 2, 'b': 1, 'c': 1})",
+        "from collections import deque\nassert window([1, 2, 3]) == deque([2, 3]) and window([]).maxlen == 2",
+        "assert groups([1, 2, 3]) == {1: [1, 3], 0: [2]} and groups([])[7] == []",
+    ]
+)
 
 # Collects every string that mentions "assert" from every frame it can reach, and answers a call with the
 # right-hand side of the assert that shows the call's arguments: one program for any problem.
@@ -694,6 +704,21 @@ GALLERY = {
         "                value.isclose = lambda *a, **k: True\n"
         "        frame = frame.f_back\n    return 0",
     ),
+    "fake_math_module": (
+        MATH_FROM_PROGRAM,
+        "import types\nmath = types.ModuleType('math')\nmath.isclose = lambda *a, **k: True\n"
+        "math.floor = lambda x: 2\ndef half(x):\n    return 0",
+    ),
+    "counter_subclass": (
+        COLLECTIONS_TESTS,
+        "import collections\nclass C(collections.Counter):\n    def __eq__(self, other):\n        return True\n"
+        "def tally(xs):\n    return C()\ndef window(xs):\n    return C()\ndef groups(xs):\n    return C()",
+    ),
+    "defaultdict_with_own_factory": (
+        COLLECTIONS_TESTS,
+        "import collections\ndef groups(xs):\n    out = collections.defaultdict(lambda: [])\n"
+        "    for x in xs:\n        out[x % 2].append(x)\n    return out",
+    ),
     # reading the tests' constants through the frames (steps, the job, code objects)
     "replayed_test_constants_mbpp": (REPLACE_CHAR, REPLAY + "def replace_char(s):\n    return _replay(s)"),
     "replayed_test_constants_humaneval": (
@@ -707,12 +732,22 @@ GALLERY = {
     "read_humaneval_jsonl_gz": (HE_0, READ_HUMANEVAL),
 }
 HONEST = {
-    REPLACE_CHAR.id: REPLACE_CHAR.meta["reference_answer"],
-    HE_0.id: HE_0.meta["reference_answer"],
-    BUILTIN_TESTS.id: "import math\ndef common(a, b):\n    return [x for x in a if x in b]\n"
-    "def evens(xs):\n    return [x for x in xs if x % 2 == 0]\ndef area(r):\n    return math.pi * r * r\n"
-    "def mean(xs):\n    return sum(xs) / len(xs)",
-    MATH_TESTS.id: "def half(x):\n    return x / 2",
+    "replace_char": (REPLACE_CHAR, REPLACE_CHAR.meta["reference_answer"]),
+    "has_close_elements": (HE_0, HE_0.meta["reference_answer"]),
+    "builtins_in_tests": (
+        BUILTIN_TESTS,
+        "import math\ndef common(a, b):\n    return [x for x in a if x in b]\n"
+        "def evens(xs):\n    return [x for x in xs if x % 2 == 0]\ndef area(r):\n    return math.pi * r * r\n"
+        "def mean(xs):\n    return sum(xs) / len(xs)",
+    ),
+    "math_in_tests": (MATH_TESTS, "def half(x):\n    return x / 2"),
+    "math_from_the_program": (MATH_FROM_PROGRAM, "import math\ndef half(x):\n    return x / 2"),
+    "collections_results": (
+        COLLECTIONS_TESTS,
+        "import collections\ndef tally(xs):\n    return collections.Counter(xs)\n"
+        "def window(xs):\n    return collections.deque(xs, 2)\ndef groups(xs):\n"
+        "    out = collections.defaultdict(list)\n    for x in xs:\n        out[x % 2].append(x)\n    return out",
+    ),
 }
 
 
@@ -750,17 +785,19 @@ def test_gallery_of_hostile_programs_scores_no_pass(name, isolation):
 
 
 @pytest.mark.parametrize("isolation", GALLERY_ISOLATIONS)
-@pytest.mark.parametrize("sample_id", list(HONEST))
-def test_honest_programs_for_the_gallery_samples_pass(sample_id, isolation):
-    sample = {s.id: s for s, _ in GALLERY.values()}[sample_id]
-    result = _run_sample(HONEST[sample_id], sample, isolation)
+@pytest.mark.parametrize("name", list(HONEST))
+def test_honest_programs_for_the_gallery_samples_pass(name, isolation):
+    sample, program = HONEST[name]
+    result = _run_sample(program, sample, isolation)
     assert result.all_passed, result
 
 
 @pytest.mark.parametrize(
     "value",
     [None, True, pytest.param(-(2**20000), id="huge_int"), 2.5, float("nan"), float("-inf"), 1 - 2j, "é\ud800", b"\x00", bytearray(b"x"),
-     [1, (2, {3}), frozenset({4})], {"a": [1], (1, 2): None}],
+     [1, (2, {3}), frozenset({4})], {"a": [1], (1, 2): None}, collections.deque([1, [2]], 5),
+     collections.OrderedDict(b=1, a=2), collections.Counter("abca"), collections.defaultdict(list, {1: [2]}),
+     collections.defaultdict(None, {})],
 )  # fmt: skip
 def test_plain_data_crosses_exactly(value):
     decoded = _sandbox._decode(json.loads(json.dumps(_sandbox._encode(value))))
@@ -769,7 +806,16 @@ def test_plain_data_crosses_exactly(value):
 
 @pytest.mark.parametrize(
     "value",
-    [type("I", (int,), {})(1), [type("L", (list,), {})()], {1: object()}, (x for x in ()), len, Exception()],
+    [
+        type("I", (int,), {})(1),
+        [type("L", (list,), {})()],
+        {1: object()},
+        (x for x in ()),
+        len,
+        Exception(),
+        collections.defaultdict(lambda: 0),
+        type("C", (collections.Counter,), {})(),
+    ],
 )
 def test_anything_but_plain_data_is_refused(value):
     with pytest.raises(TypeError):
