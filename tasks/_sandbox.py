@@ -85,7 +85,7 @@ _FRAME_DIGITS = 10  # a frame on a pipe: its length in ten ASCII digits, then th
 # A value crossing between the processes holds at most this many items, in at most this many bytes of
 # JSON; a bigger value fails the call.
 _PLAIN_NODE_LIMIT = 1_000_000
-_REPLY_LIMIT = 64 << 20
+_REPLY_LIMIT = 16 << 20
 
 # Clone flags and mount constants (linux/sched.h, linux/mount.h).
 _CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER, _CLONE_NEWPID = 0x00020000, 0x40000000, 0x10000000, 0x20000000
@@ -352,6 +352,14 @@ def _judge_main(result_fd: int) -> None:
         _init_main(job, libc, request_read, reply_write, status_write)
     for fd in (request_read, reply_write, status_write):
         os.close(fd)
+    # The judge's memory is about to hold the expected answers: no process of the same user may read it
+    # through /proc/<pid>/mem or ptrace (matters when the program runs as the trainer's user), and the
+    # values the program returns may not take more memory than the program itself may use.
+    if libc is not None:
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+    import resource
+
+    _set_limit(resource, resource.RLIMIT_AS, job["limits"]["memory_bytes"])
 
     tests = _read_frame(0, 1 << 30)
     nonce_prefix = ("\n" + tests["nonce"] + " ").encode()
