@@ -1482,6 +1482,8 @@ def _fresh_uid() -> int:
 
 
 _PROBE_PROGRAM = "import collections, functools, heapq, itertools, json, math, random, re, string, typing"
+# What Isolation.namespaces must give for the probe to keep it (docs/SANDBOX.md, "What each mode guarantees").
+_NAMESPACE_LAYERS = frozenset({"pidns", "netns", "private_root", "tmpfs_workdir"})
 _default_isolation: Isolation | None = None
 _default_lock = threading.Lock()
 
@@ -1512,9 +1514,17 @@ def _probe_isolation() -> Isolation:
             log.warning("sandbox probe %s failed to start: %r", isolation, error)
             continue
         if result.all_passed:
-            if isolation.namespaces and "netns" not in result.layers:
+            missing = sorted(_NAMESPACE_LAYERS - set(result.layers)) if isolation.namespaces else []
+            if not missing:
+                return isolation
+            log.warning(
+                "sandbox: the kernel refused %s; the program will see the trainer's file system and only "
+                "the audit hook keeps it from the user's files (docs/SANDBOX.md)",
+                ", ".join(missing),
+            )
+            if not isolation.unprivileged_uid:
                 return dataclasses.replace(isolation, namespaces=False)
-            return isolation
+            continue
         log.warning("sandbox probe %s failed: %s %s", isolation, result.status, result.detail)
     return Isolation()
 

@@ -1043,6 +1043,18 @@ def test_the_non_root_user_namespace_mode(tmp_path):
         assert (tmp_path / ".bashrc").read_text() == "# rc\n"
 
 
+def test_the_probe_drops_namespaces_that_do_not_give_the_private_root(monkeypatch, caplog):
+    """Where the kernel gives a network namespace but no private root, the mode is "no namespaces" (and
+    said so): a run must not claim guarantees it does not have."""
+    monkeypatch.setattr(_sandbox.os, "geteuid", lambda: 1000)
+    layers = ("userns", "pidns", "netns", "rlimits", "no_new_privs", "seccomp", "audit_hook")
+    result = _sandbox.RunResult(status="ok", passed=1, total=1, layers=layers)
+    monkeypatch.setattr(_sandbox, "run_tests", lambda *args, **kwargs: result)
+    with caplog.at_level("WARNING"):
+        assert _sandbox._probe_isolation() == Isolation(unprivileged_uid=False, namespaces=False)
+    assert "private_root" in caplog.text and "tmpfs_workdir" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- loaders
 
 
