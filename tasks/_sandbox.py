@@ -41,7 +41,10 @@ allows one):
                       every process of that uid. Without root, every capability of the user namespace is
                       dropped instead (``no_caps``);
   * ``rlimits``       CPU seconds, address space, file size, open files, no core dumps, ``RLIMIT_NPROC``;
-  * ``no_new_privs``  set-uid binaries grant nothing.
+  * ``no_new_privs``  set-uid binaries grant nothing;
+  * ``seccomp``       (any user, with or without namespaces) the system calls of _SECCOMP_REFUSED fail with
+                      EPERM: no signal to any other process, no pidfd, no ptrace or reading of another
+                      process's memory, no memfd (native code from memory), no mount or namespace change.
 Parent-enforced (always): a wall-clock limit; a byte cap on stdout+stderr (the run is killed when it is
 exceeded: "output_limit"); at the end the process group is killed and /proc is swept for survivors (same
 uid, session or process group) before the working directory on the host is deleted (iteratively, so any
@@ -53,19 +56,19 @@ enforces): any of these ends the run at once with status "blocked" and zero test
 subinterpreters, crafted code objects, rlimit changes, tracing/profiling hooks, gc walks, more audit hooks,
 os.chdir, links and symlinks, opening or changing (chmod/chown/rename/remove/mkdir/utime/truncate/xattr)
 anything outside the working directory for writing, ``os.open`` of anything outside it (its descriptor could
-be a ``dir_fd``), reading /proc, /sys or /dev (except /dev/null, /dev/zero, /dev/urandom and the stdlib
-fds), sqlite3 databases outside the working directory, importing _posixsubprocess, ctypes, dbm C modules or
-subinterpreter modules.
+be a ``dir_fd``), reading anything but the working directory, the standard library and /dev/null,
+/dev/zero, /dev/urandom, loading native modules from outside the standard library, sqlite3 databases
+outside the working directory, importing _posixsubprocess, ctypes, dbm C modules or subinterpreter modules.
 
 What is NOT contained. The audit hook is a tripwire, not a security boundary: a program can get around it
 (for example with a native module loaded from a memfd, or crafted bytecode). Where the kernel layers apply,
 that buys nothing: the program's process holds neither the tests nor the results pipe, sees no file but
 the standard library, cannot reach the network or another process, and has no capability. Without
 namespaces (``Isolation(namespaces=False)``: the kernel refuses user namespaces), the program runs as the
-trainer's user in the trainer's file system: the hook alone keeps it from reading the user's files, the
-datasets and /proc (where the judge's memory holds the expected answers), from signalling the trainer
-(``signal.pidfd_send_signal`` has no audit event), and from loading native code; the working directory is
-then on the host's disk, limited per file by ``RLIMIT_FSIZE`` only. Threads are refused only by
+trainer's user in the trainer's file system: seccomp keeps it from signalling or tracing the trainer and
+the judge, but the hook alone keeps it from reading and writing the user's files and the datasets, from the
+network, and from loading native code from its working directory; the working directory is then on the
+host's disk, limited per file by ``RLIMIT_FSIZE`` only. Threads are refused only by
 ``RLIMIT_NPROC`` (Python 3.11 has no audit event for them). Tests may see only what crosses as plain data:
 module-level constants and classes of the program are not visible to them, and a program function named
 like a builtin (``set``, ``sorted``) is not exposed (the tests keep the builtin).
@@ -102,59 +105,13 @@ _SYS_MOUNT_SETATTR = 442  # the same on every architecture since Linux 5.12
 _SECCOMP_REFUSED = {
     "x86_64": (
         0xC000003E,
-        (
-            62,
-            200,
-            234,
-            129,
-            297,
-            424,
-            434,
-            438,
-            101,
-            310,
-            311,
-            319,
-            272,
-            308,
-            165,
-            166,
-            155,
-            161,
-            321,
-            298,
-            323,
-            425,
-        ),
+        (62, 200, 234, 129, 297, 424, 434, 438, 101, 310, 311, 319, 272, 308, 165, 166, 155, 161, 321, 298, 323, 425),
     ),
     "aarch64": (
         0xC00000B7,
-        (
-            129,
-            130,
-            131,
-            138,
-            240,
-            424,
-            434,
-            438,
-            117,
-            270,
-            271,
-            279,
-            97,
-            268,
-            40,
-            39,
-            41,
-            51,
-            280,
-            241,
-            282,
-            425,
-        ),
+        (129, 130, 131, 138, 240, 424, 434, 438, 117, 270, 271, 279, 97, 268, 40, 39, 41, 51, 280, 241, 282, 425),
     ),
-}
+}  # fmt: skip
 
 
 # ============================================================================================ both sides
@@ -376,8 +333,11 @@ def _judge_main(result_fd: int) -> None:
         except (EOFError, ValueError, OSError) as error:
             gone = gone or f"no answer ({error})"
             raise _ProgramGone(gone) from None
-        if type(message) is list and message and message[0] == "blocked":
-            gone = "blocked " + str(message[1])[:200]
+        if type(message) is not list or not message or type(message[0]) is not str:
+            gone = gone or "a malformed answer"
+            raise _ProgramGone(gone)
+        if message[0] == "blocked":
+            gone = "blocked " + (str(message[1])[:200] if len(message) > 1 else "")
             raise _ProgramGone(gone)
         return message
 
@@ -423,15 +383,20 @@ def _judge_main(result_fd: int) -> None:
         ready = receive()
         layers += [str(layer) for layer in ready[1]]
         report("layers " + ",".join(layers))
-        loaded = receive()
+        send(request_write, ["go"])
+        loaded = (
+            receive()
+        )  # sent after the program ran: a program that tampered with its process may garble it
         kind = loaded[0]
-        if kind in ("syntax_error", "load_error"):
-            report(f"{kind} {loaded[1]}")
+        if kind in ("syntax_error", "load_error") and len(loaded) == 2:
+            report(f"{kind} {str(loaded[1])[:100]}")
         elif kind == "memory":
             report("memory")
-        else:
-            modules = {str(name): str(module) for name, module in dict(loaded[2]).items()}
+        elif kind == "loaded" and len(loaded) == 3 and type(loaded[1]) is list and type(loaded[2]) is dict:
+            modules = {str(name): str(module) for name, module in loaded[2].items()}
             _run_tests(tests, [str(name) for name in loaded[1]], modules, proxy, report, builtins)
+        else:
+            gone = "a malformed answer"
     except _ProgramGone:
         pass
     if gone is not None:
@@ -580,6 +545,12 @@ def _program_main(job: dict, libc, request_read: int, reply_write: int) -> None:
     if audit_enforced:
         layers.append("audit_hook")
     _write_frame(reply_write, ["ready", layers])
+    # The program starts only once the judge has reported the layers: a run that floods its output at once
+    # is then still a run of the program (output_limit), not a sandbox that did not start.
+    try:
+        _read_frame(request_read, 64)
+    except (EOFError, ValueError):
+        os._exit(0)
 
     sys.addaudithook(
         _make_audit_hook(
@@ -1272,6 +1243,16 @@ def _collect(process: subprocess.Popen, result_read: int, limits: Limits, start:
             if output_total > limits.output_bytes or len(results) > limits.output_bytes:
                 output_exceeded = True
                 break
+    # What the judge reported before a limit cut the run short (its layers, say) is still in the pipe.
+    if result_read in open_fds:
+        while len(results) <= limits.output_bytes:
+            try:
+                chunk = os.read(result_read, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            results += chunk
     return _RawRun(
         lines=results.decode("utf-8", "replace").split("\n"),
         output=bytes(output),
