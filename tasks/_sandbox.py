@@ -519,14 +519,15 @@ def _init_main(job: dict, libc, request_read: int, reply_write: int, status_writ
             break
         if pid == program_pid:
             status = -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
-            break  # leaving kills what else is in the namespace
+            break  # in a pid namespace, leaving kills what else is in it; otherwise the trainer's sweep does
     if status is not None:
         os.write(status_write, str(status).encode())
     os._exit(0)
 
 
 # ============================================================================================ program
-# Untrusted from the moment the program runs. Everything the serving loop uses is bound before that.
+# Untrusted from the moment the program runs: the program may rewrite anything here, which is why the judge
+# trusts nothing it receives but plain data, checked again on its side.
 
 
 def _program_main(job: dict, libc, request_read: int, reply_write: int) -> None:
