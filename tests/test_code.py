@@ -675,7 +675,7 @@ GALLERY = {
         "class replace_char:\n    def __init__(self, *args):\n        pass\n"
         "    def __eq__(self, other):\n        return True",
     ),
-    "int_subclass_equal_to_everything": (
+    "str_subclass_equal_to_everything": (
         REPLACE_CHAR,
         "class S(str):\n    def __eq__(self, other):\n        return True\n"
         "def replace_char(s):\n    return S(s)",
