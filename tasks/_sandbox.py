@@ -1,4 +1,4 @@
-"""Run untrusted Python (a model's program) against trusted tests, in two processes that share nothing.
+"""Run untrusted Python (a model's program) against trusted tests, in processes that exchange only data.
 
 ``run_tests(program, steps, ...)`` starts ``python -I -S -B tasks/_sandbox.py --judge`` in a fresh session
 with a scrubbed environment and returns a ``RunResult``: how many counted test steps passed and a
@@ -7,8 +7,9 @@ with a scrubbed environment and returns a ``RunResult``: how many counted test s
   * the judge (trusted): runs the tests. It starts the program's process, and only then reads the tests,
     so they never exist in the program's memory. Each call a test makes to a program function goes to the
     program's process as a request (the function's name and its arguments as plain data) and comes back as
-    plain data: None, bool, int, float, complex, str, bytes, bytearray, list, tuple, set, frozenset and
-    dict, checked by exact type and rebuilt by the judge. Anything else (an object whose ``__eq__`` always
+    plain data: None, bool, int, float, complex, str, bytes, bytearray, list, tuple, set, frozenset, dict
+    and collections' deque, OrderedDict, Counter and defaultdict, checked by exact type and rebuilt by the
+    judge. Anything else (an object whose ``__eq__`` always
     says True, a subclass of int, a generator) fails the test. The tests run with the judge's own builtins
     and modules, so a program cannot shadow ``set``/``sorted``/``abs``, patch ``math``, walk frames into
     the tests or swap ``candidate``: none of that is in its process. The judge alone writes results to the
@@ -20,8 +21,9 @@ with a scrubbed environment and returns a ``RunResult``: how many counted test s
 Layers of the program's process, strongest first. Each is applied when the machine allows it and recorded
 in ``RunResult.layers``; ``default_isolation()`` probes once per process which layers work here.
 
-Kernel-enforced (``Isolation.namespaces``; as root, or in an unprivileged user namespace where the kernel
-allows one):
+Kernel-enforced (the namespaces with ``Isolation.namespaces``, as root or in an unprivileged user namespace
+where the kernel allows one; ``uid:N`` with ``Isolation.unprivileged_uid``, as root; the rest always). See
+docs/SANDBOX.md for what each mode guarantees.
   * ``userns``        (non-root only) a user namespace in which the judge is root, making the rest possible;
   * ``pidns``         a new pid namespace: the program sees only the sandbox's processes (its parent is the
                       init above), so it cannot signal the judge or the trainer (``pidfd_open(getppid())``
