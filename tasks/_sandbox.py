@@ -1,38 +1,56 @@
-"""Run untrusted Python (a model's program plus its tests) in a contained child process.
+"""Run untrusted Python (a model's program) against trusted tests, in processes that exchange only data.
 
-``run_tests(program, steps, ...)`` starts ``python -I -S -B tasks/_sandbox.py --child`` in a fresh session
-and process group, with a scrubbed environment, in a temporary working directory that is removed
-afterwards, and returns a ``RunResult``: how many counted test steps passed and a ``status`` (one of
-STATUSES). The program and the tests travel on the child's stdin, never on disk (so a program cannot read
-its tests), and results come back on a separate pipe, each line tagged with a random per-run nonce that
-only the child's audit hook holds (so printing "passed" or writing to that pipe does not forge a result).
+``run_tests(program, steps, ...)`` starts ``python -I -S -B tasks/_sandbox.py --judge`` in a fresh session
+with a scrubbed environment and returns a ``RunResult``: how many counted test steps passed and a
+``status`` (one of STATUSES). Three processes take part:
 
-Layers, strongest first. Each is applied when the machine allows it and recorded in ``RunResult.layers``;
-``default_isolation()`` probes once per process which layers work here.
+  * the judge (trusted): runs the tests. It starts the program's process, and only then reads the tests,
+    so they never exist in the program's memory. Each call a test makes to a program function goes to the
+    program's process as a request (the function's name and its arguments as plain data) and comes back as
+    plain data: None, bool, int, float, complex, str, bytes, bytearray, list, tuple, set, frozenset, dict
+    and collections' deque, OrderedDict, Counter and defaultdict, checked by exact type and rebuilt by the
+    judge. Anything else (an object whose ``__eq__`` always
+    says True, a subclass of int, a generator) fails the test. The tests run with the judge's own builtins
+    and modules, so a program cannot shadow ``set``/``sorted``/``abs``, patch ``math``, walk frames into
+    the tests or swap ``candidate``: none of that is in its process. The judge alone writes results to the
+    trainer, on a pipe tagged with a per-run nonce the program never sees.
+  * a tiny init (pid 1 of the sandbox's pid namespace, when there is one) that waits for the program and
+    passes its exit status to the judge;
+  * the program's process (untrusted): it executes the program, then answers call requests.
 
-Kernel-enforced (need root, as on the project's training machines; probed, fail-soft):
-  * ``uid:N``        the child drops to a fresh unprivileged uid/gid N (random, unused, no supplementary
-                     groups) after its setup. Consequences: files outside the working directory that are not
-                     world-writable cannot be written, other users' /proc entries (the trainer's environ and
-                     memory) cannot be read, and signals cannot reach other users' processes;
-                     ``RLIMIT_NPROC`` counts this uid only, so with the default ``Limits.processes = 0`` no
-                     fork, thread or exec succeeds (a fork bomb gets EAGAIN); the end-of-run sweep kills every
-                     process of that uid. The interpreter's stdlib is reached through directory fds opened
-                     before the drop (``/proc/self/fd/N`` on sys.path), so it works even when the interpreter
-                     lives under a private home such as ``/root``.
-  * ``netns``        a new, empty network namespace (only a downed loopback): no connection to anything,
-                     127.0.0.1 included.
-  * ``readonly_fs``  a private mount namespace where every mount is read-only except the working directory
-                     (nosuid, nodev, noexec): even world-writable /tmp, /var/tmp and /dev/shm are closed.
-  * ``userns``       (non-root only) an unprivileged user namespace that makes ``netns`` possible, where
-                     the kernel allows it.
-  * ``rlimits``      CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``), file size
-                     (``RLIMIT_FSIZE``), open files, no core dumps, and ``RLIMIT_NPROC`` (see above; the
-                     kernel ignores it for root, which is why the uid layer matters).
-  * ``no_new_privs`` set-uid binaries grant nothing.
-Parent-enforced (always): a wall-clock limit; a byte cap on stdout+stderr (the child is killed when it is
+Layers of the program's process, strongest first. Each is applied when the machine allows it and recorded
+in ``RunResult.layers``; ``default_isolation()`` probes once per process which layers work here.
+
+Kernel-enforced (the namespaces with ``Isolation.namespaces``, as root or in an unprivileged user namespace
+where the kernel allows one; ``uid:N`` with ``Isolation.unprivileged_uid``, as root; the rest always). See
+docs/SANDBOX.md for what each mode guarantees.
+  * ``userns``        (non-root only) a user namespace in which the judge is root, making the rest possible;
+  * ``pidns``         a new pid namespace: the program sees only the sandbox's processes (its parent is the
+                      init above), so it cannot signal the judge or the trainer (``pidfd_open(getppid())``
+                      reaches the init, whose death ends the run), and killing the init kills everything;
+  * ``netns``         a new, empty network namespace (only a downed loopback);
+  * ``private_root``  a private mount namespace whose root is an empty, read-only tmpfs holding only the
+                      interpreter's standard library (its site-packages hidden), /usr/lib (system
+                      python3 packages hidden) for the C extensions' shared libraries, /dev/null, /dev/zero,
+                      /dev/urandom and the working directory. No home, no /work, no datasets, no /tmp, no
+                      /proc, no other site-packages exist there, and no path can reach a memfd;
+  * ``tmpfs_workdir`` the working directory is a private tmpfs of ``Limits.disk_mb`` (nosuid, nodev,
+                      noexec: no native module can be written and loaded): the program cannot fill the
+                      host's disk, and whatever it leaves disappears with the namespace;
+  * ``uid:N``         (root only) the program drops to a fresh unprivileged uid/gid N (random, unused, no
+                      groups): ``RLIMIT_NPROC`` counts this uid only, so with the default
+                      ``Limits.processes = 0`` no fork, thread or exec succeeds, and the end-of-run sweep kills
+                      every process of that uid. Without root, every capability of the user namespace is
+                      dropped instead (``no_caps``);
+  * ``rlimits``       CPU seconds, address space, file size, open files, no core dumps, ``RLIMIT_NPROC``;
+  * ``no_new_privs``  set-uid binaries grant nothing;
+  * ``seccomp``       (any user, with or without namespaces) the system calls of _SECCOMP_REFUSED fail with
+                      EPERM: no signal to any other process, no pidfd, no ptrace or reading of another
+                      process's memory, no memfd (native code from memory), no mount or namespace change.
+Parent-enforced (always): a wall-clock limit; a byte cap on stdout+stderr (the run is killed when it is
 exceeded: "output_limit"); at the end the process group is killed and /proc is swept for survivors (same
-uid, session or process group) before the working directory is deleted.
+uid, session or process group) before the working directory on the host is deleted (iteratively, so any
+depth of nested folders goes).
 
 In-process (always; an audit hook, PEP 578, installed before the program runs; "audit_hook" layer when it
 enforces): any of these ends the run at once with status "blocked" and zero tests passed: process creation
@@ -40,227 +58,614 @@ enforces): any of these ends the run at once with status "blocked" and zero test
 subinterpreters, crafted code objects, rlimit changes, tracing/profiling hooks, gc walks, more audit hooks,
 os.chdir, links and symlinks, opening or changing (chmod/chown/rename/remove/mkdir/utime/truncate/xattr)
 anything outside the working directory for writing, ``os.open`` of anything outside it (its descriptor could
-be a ``dir_fd``), reading /proc, /sys or /dev (except /dev/null,
-/dev/zero, /dev/urandom and the stdlib fds), sqlite3 databases outside the working directory, importing
-_posixsubprocess, ctypes, dbm C modules or subinterpreter modules, and inspecting the harness's or the
-tests' frames through sys._getframe, tracebacks or ``f_code``.
+be a ``dir_fd``), reading anything but the working directory, the standard library and /dev/null,
+/dev/zero, /dev/urandom, loading native modules from outside the standard library, sqlite3 databases
+outside the working directory, importing _posixsubprocess, ctypes, dbm C modules or subinterpreter modules.
 
-What is NOT contained. The audit hook is a tripwire, not a security boundary: CPython has no in-process
-isolation, and a deliberate program can reach the tests' namespace by walking ``frame.f_back`` from its own
-frame (``sys._getframe`` cannot be refused wholesale: namedtuple, typing and dataclasses call it) or can
-feed crafted bytecode through ``marshal``. Where the kernel layers apply, that buys at most a forged test
-result, never an escape. Without root (no uid layer), the program runs as the trainer's user: reading the
-user's files and processes is blocked only by the hook, and ``RLIMIT_NPROC`` (set to 1) counts all of
-that user's processes; without namespaces, the network is closed only by the hook. Threads are refused only
-by ``RLIMIT_NPROC`` (Python 3.11 has no audit event for them). Tests run with a private copy of the
-builtins and private ``math``/``cmath``/``random``/``string``/``copy`` modules (so a program cannot patch
-``abs`` or ``math.isclose`` to pass them), and every function they call from the program is wrapped to
-accept only plain built-in data (an object whose ``__eq__`` always says True fails the test).
+What is NOT contained. The audit hook is a tripwire, not a security boundary: a program can get around it
+(for example with a native module loaded from a memfd, or crafted bytecode). Where the kernel layers apply,
+that buys nothing: the program's process holds neither the tests nor the results pipe, sees no file but
+the standard library, cannot reach the network or another process, and has no capability. Without
+namespaces (``Isolation(namespaces=False)``: the kernel refuses user namespaces), the program runs as the
+trainer's user in the trainer's file system: seccomp keeps it from signalling or tracing the trainer and
+the judge, but the hook alone keeps it from reading and writing the user's files and the datasets, from the
+network, and from loading native code from its working directory; the working directory is then on the
+host's disk, limited per file by ``RLIMIT_FSIZE`` only. Threads are refused only by
+``RLIMIT_NPROC`` (Python 3.11 has no audit event for them). Tests may see only what crosses as plain data:
+module-level constants and classes of the program are not visible to them, and a program function named
+like a builtin (``set``, ``sorted``) is not exposed (the tests keep the builtin).
 
 Run ``python -m tasks._sandbox`` (from the repository root) to print the layers this machine applies.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
-# Audit events the harness raises to talk to its own hook (names are arbitrary but must not collide with
-# CPython's). Reports are written by the hook, which holds the nonce, and only for events raised by the
-# genuine harness frame.
-_REPORT_EVENT = "vlm_grpo_ma.sandbox.report"
-_PROTECT_EVENT = "vlm_grpo_ma.sandbox.protect"
 _EXIT_BLOCKED = 86
+_FRAME_DIGITS = 10  # a frame on a pipe: its length in ten ASCII digits, then that many bytes of JSON
 
-# A value a program function returns to the tests is checked item by item, up to this many items; a bigger
-# (or self-containing) value fails the test.
+# A value crossing between the processes holds at most this many items, in at most this many bytes of
+# JSON; a bigger value fails the call.
 _PLAIN_NODE_LIMIT = 1_000_000
+_REPLY_LIMIT = 16 << 20
+
+# Clone flags and mount constants (linux/sched.h, linux/mount.h).
+_CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWUSER, _CLONE_NEWPID = 0x00020000, 0x40000000, 0x10000000, 0x20000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+_MNT_DETACH = 2
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+_SYS_MOUNT_SETATTR = 442  # the same on every architecture since Linux 5.12
+# System calls the program's process may not make (seccomp; they fail with EPERM), per architecture: the
+# audit architecture, then the numbers of: kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo,
+# pidfd_send_signal, pidfd_open, pidfd_getfd (signals to, or handles on, other processes: the trainer when
+# there is no pid namespace), ptrace, process_vm_readv, process_vm_writev (other processes' memory),
+# memfd_create (native code from memory), unshare, setns, mount, umount2, pivot_root, chroot (the file
+# system view), bpf, perf_event_open, userfaultfd, io_uring_setup (kernel attack surface).
+_SECCOMP_REFUSED = {
+    "x86_64": (
+        0xC000003E,
+        (62, 200, 234, 129, 297, 424, 434, 438, 101, 310, 311, 319, 272, 308, 165, 166, 155, 161, 321, 298, 323, 425),
+    ),
+    "aarch64": (
+        0xC00000B7,
+        (129, 130, 131, 138, 240, 424, 434, 438, 117, 270, 271, 279, 97, 268, 40, 39, 41, 51, 280, 241, 282, 425),
+    ),
+}  # fmt: skip
 
 
-# ============================================================================================ child side
-# Everything in this section runs in the sandboxed interpreter and uses the standard library only.
+# ============================================================================================ both sides
+# The wire format between the judge and the program's process. Standard library only.
 
 
-def _child_main(result_fd: int) -> None:
-    """The harness. After the program has run, everything this frame uses is a local bound beforehand:
-    the program can rebind builtins and module attributes, not this frame's locals."""
+def _frame(message) -> bytes:
+    data = json.dumps(message, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+    return b"%0*d" % (_FRAME_DIGITS, len(data)) + data
+
+
+def _write_frame(fd: int, message) -> None:
+    view = memoryview(_frame(message))
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = os.read(fd, min(size, 1 << 20))
+        if not chunk:
+            raise EOFError("the other side closed the pipe")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _read_frame(fd: int, limit: int):
+    """The next message on ``fd``; ValueError for a malformed or oversized frame, EOFError at the end.
+    Reads exactly the frame's bytes, never ahead (the judge forks between two frames of its stdin)."""
+    header = _read_exact(fd, _FRAME_DIGITS)
+    if not header.isdigit():
+        raise ValueError("malformed frame header")
+    size = int(header)
+    if size > limit:
+        raise ValueError(f"a frame of {size} bytes is over the limit of {limit}")
+    return json.loads(_read_exact(fd, size).decode("ascii"))
+
+
+# defaultdict factories that can cross (by name): a program's own factory is code, not data.
+_FACTORIES = ("int", "float", "str", "list", "tuple", "set", "frozenset", "dict", "bool")
+# Modules the tests may use under the name the program bound them to (MBPP tests run in the program's
+# namespace and sometimes use its imports); the judge binds its own copy, never the program's.
+_TEST_MODULES = frozenset(
+    {"math", "cmath", "re", "collections", "heapq", "itertools", "functools", "operator", "string", "bisect",
+     "statistics", "fractions", "decimal"}
+)  # fmt: skip
+
+
+def _encode(value):
+    """Plain data as a JSON tree of tagged nodes; TypeError for anything else. Plain data: None, bool, int,
+    float, complex, str, bytes, bytearray, list, tuple, set, frozenset, dict, and collections' deque,
+    OrderedDict, Counter and defaultdict (with a built-in factory), nested.
+
+    Types are compared by identity (a subclass of int or list could override ``__eq__``), so no code of the
+    value's own runs. Floats travel as hex (exact, inf and nan included), ints as hex (no digit limit).
+    """
     import builtins
     import collections
-    import json
+
+    count = 0
+
+    def pairs(mapping) -> list:
+        return [[node(key), node(element)] for key, element in dict.items(mapping)]
+
+    def node(item):
+        nonlocal count
+        count += 1
+        if count > _PLAIN_NODE_LIMIT:
+            raise TypeError("the value holds too many items")
+        cls = type(item)
+        if item is None:
+            return ["N"]
+        if cls is bool:
+            return ["b", item]
+        if cls is int:
+            return ["i", format(item, "x")]
+        if cls is float:
+            return ["f", item.hex()]
+        if cls is complex:
+            return ["c", item.real.hex(), item.imag.hex()]
+        if cls is str:
+            return ["s", item]
+        if cls is bytes or cls is bytearray:
+            return ["y" if cls is bytes else "Y", item.hex()]
+        if cls is list or cls is tuple or cls is set or cls is frozenset:
+            tag = "l" if cls is list else "t" if cls is tuple else "S" if cls is set else "F"
+            return [tag, [node(element) for element in item]]
+        if cls is dict or cls is collections.OrderedDict or cls is collections.Counter:
+            return ["d" if cls is dict else "o" if cls is collections.OrderedDict else "C", pairs(item)]
+        if cls is collections.deque:
+            return ["q", [node(element) for element in item], item.maxlen]
+        if cls is collections.defaultdict:
+            factory = item.default_factory
+            names = [name for name in _FACTORIES if factory is getattr(builtins, name)]
+            if factory is not None and not names:
+                raise TypeError("a defaultdict whose factory is not a built-in type is not plain data")
+            return ["D", pairs(item), names[0] if names else None]
+        raise TypeError(f"a {cls.__name__} is not plain built-in data")
+
+    try:
+        return node(value)
+    except RecursionError:
+        raise TypeError("the value is nested too deeply") from None
+
+
+def _decode(tree):
+    """The value ``_encode`` encoded, rebuilt from fresh objects of the judge's own types; ValueError for
+    any other tree."""
+    import builtins
+    import collections
+
+    def pairs(data) -> dict:
+        if type(data) is not list:
+            raise ValueError("malformed mapping")
+        result = {}
+        for pair in data:
+            if type(pair) is not list or len(pair) != 2:
+                raise ValueError("malformed mapping item")
+            result[node(pair[0])] = node(pair[1])
+        return result
+
+    def node(item):
+        if type(item) is not list or not item or type(item[0]) is not str:
+            raise ValueError("malformed value")
+        tag, payload = item[0], item[1:]
+        if tag == "N" and not payload:
+            return None
+        if len(payload) == 2:
+            first, second = payload
+            if tag == "c" and type(first) is str and type(second) is str:
+                return complex(float.fromhex(first), float.fromhex(second))
+            if tag == "q" and type(first) is list and (second is None or type(second) is int):
+                return collections.deque([node(element) for element in first], second)
+            if tag == "D" and (second is None or second in _FACTORIES):
+                return collections.defaultdict(
+                    None if second is None else getattr(builtins, second), pairs(first)
+                )
+        if len(payload) != 1:
+            raise ValueError("malformed value")
+        (data,) = payload
+        if tag == "b" and type(data) is bool:
+            return data
+        if tag in ("i", "f", "s", "y", "Y") and type(data) is str:
+            if tag == "i":
+                return int(data, 16)
+            if tag == "f":
+                return float.fromhex(data)
+            if tag == "s":
+                return data
+            return bytes.fromhex(data) if tag == "y" else bytearray.fromhex(data)
+        if tag in ("l", "t", "S", "F") and type(data) is list:
+            items = [node(element) for element in data]
+            return {"l": list, "t": tuple, "S": set, "F": frozenset}[tag](items)
+        if tag in ("d", "o", "C"):
+            return {"d": dict, "o": collections.OrderedDict, "C": collections.Counter}[tag](pairs(data))
+        raise ValueError(f"unknown value tag {tag!r}")
+
+    try:
+        return node(tree)
+    except (TypeError, RecursionError, OverflowError) as error:  # an unhashable key, a bad hex string
+        raise ValueError(f"malformed value: {error}") from None
+
+
+# ============================================================================================ judge
+# Trusted. Runs in the judge process (standard library only): reads the job, sets up the namespaces, starts
+# the program's process, then runs the tests.
+
+
+class _ProgramGone(Exception):
+    """The program's process ended, was blocked, or broke the protocol: no further call can be answered."""
+
+
+class _ProgramMemoryError(Exception):
+    """The program ran out of memory while answering a call."""
+
+
+def _judge_main(result_fd: int) -> None:
+    import builtins
+    import select
+
+    job = _read_frame(0, 1 << 30)  # the program's part; the tests are read only after the fork below
+    libc = _libc()
+    layers = _judge_namespaces(libc) if job["namespaces"] and libc is not None else []
+
+    request_read, request_write = os.pipe()
+    reply_read, reply_write = os.pipe()
+    status_read, status_write = os.pipe()
+    init_pid = os.fork()
+    if init_pid == 0:
+        os.close(result_fd)
+        for fd in (request_write, reply_read, status_read):
+            os.close(fd)
+        _init_main(job, libc, request_read, reply_write, status_write)
+    for fd in (request_read, reply_write, status_write):
+        os.close(fd)
+    # The judge's memory is about to hold the expected answers: no process of the same user may read it
+    # through /proc/<pid>/mem or ptrace (matters when the program runs as the trainer's user), and the
+    # values the program returns may not take more memory than the program itself may use.
+    if libc is not None:
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+    import resource
+
+    _set_limit(resource, resource.RLIMIT_AS, job["limits"]["memory_bytes"])
+
+    tests = _read_frame(0, 1 << 30)
+    nonce_prefix = ("\n" + tests["nonce"] + " ").encode()
+
+    def report(line: str) -> None:
+        os.write(result_fd, nonce_prefix + line.encode("utf-8", "replace") + b"\n")
+
+    gone = None  # why the program can no longer answer, once it cannot
+
+    def receive():
+        nonlocal gone
+        try:
+            message = _read_frame(reply_read, _REPLY_LIMIT)
+        except (EOFError, ValueError, OSError) as error:
+            gone = gone or f"no answer ({error})"
+            raise _ProgramGone(gone) from None
+        if type(message) is not list or not message or type(message[0]) is not str:
+            gone = gone or "a malformed answer"
+            raise _ProgramGone(gone)
+        if message[0] == "blocked":
+            gone = "blocked " + (str(message[1])[:200] if len(message) > 1 else "")
+            raise _ProgramGone(gone)
+        return message
+
+    def send(fd, message) -> None:
+        nonlocal gone
+        try:
+            _write_frame(fd, message)
+        except OSError as error:
+            gone = gone or f"no answer ({error})"
+            raise _ProgramGone(gone) from None
+
+    def call(name: str, args: tuple, kwargs: dict):
+        if gone is not None:
+            raise _ProgramGone(gone)
+        request = [
+            "call",
+            name,
+            _encode(list(args)),
+            [[key, _encode(value)] for key, value in kwargs.items()],
+        ]
+        send(request_write, request)
+        reply = receive()
+        kind = reply[0] if type(reply) is list and reply else None
+        if kind == "return" and len(reply) == 2:
+            try:
+                return _decode(reply[1])
+            except ValueError:
+                raise TypeError("the function returned something other than plain built-in data") from None
+        if kind == "raise" and len(reply) == 3:
+            raise _builtin_error(builtins, reply[1])(str(reply[2])[:200])
+        if kind == "memory":
+            raise _ProgramMemoryError()
+        raise TypeError("the function returned something other than plain built-in data")
+
+    def proxy(name: str):
+        def program_function(*args, **kwargs):
+            return call(name, args, kwargs)
+
+        program_function.__name__ = program_function.__qualname__ = name
+        return program_function
+
+    try:
+        ready = receive()
+        layers += [str(layer) for layer in ready[1]]
+        report("layers " + ",".join(layers))
+        send(request_write, ["go"])
+        loaded = (
+            receive()
+        )  # sent after the program ran: a program that tampered with its process may garble it
+        kind = loaded[0]
+        if kind in ("syntax_error", "load_error") and len(loaded) == 2:
+            report(f"{kind} {str(loaded[1])[:100]}")
+        elif kind == "memory":
+            report("memory")
+        elif kind == "loaded" and len(loaded) == 3 and type(loaded[1]) is list and type(loaded[2]) is dict:
+            modules = {str(name): str(module) for name, module in loaded[2].items()}
+            _run_tests(tests, [str(name) for name in loaded[1]], modules, proxy, report, builtins)
+        else:
+            gone = "a malformed answer"
+    except _ProgramGone:
+        pass
+    if gone is not None:
+        report(gone if gone.startswith("blocked ") else "program_gone")
+    os.close(request_write)
+    # The program's process exits at the end of the requests; its init passes on how it ended.
+    status = None
+    if select.select([status_read], [], [], 1.0)[0]:
+        answer = os.read(status_read, 64)
+        if answer.strip().lstrip(b"-").isdigit():
+            status = int(answer)
+    if status is None:
+        os.kill(init_pid, 9)
+    else:
+        report(f"program_exit {status}")
+    os.waitpid(init_pid, 0)
+    report("done")
+
+
+def _run_tests(tests: dict, program_names: list[str], program_modules: dict, proxy, report, builtins) -> None:
+    """Run the test steps in a namespace of the judge's own, where the program's functions are proxies
+    (``program_names``) and its imports of _TEST_MODULES are the judge's copies (``program_modules``: name
+    in the program -> module name)."""
+    import importlib
+
+    namespace = {"__builtins__": builtins, "__name__": "tests"}
+    if tests["context"] is not None:
+        # HumanEval: the tests see the prompt's own helpers (a program cannot redefine encode_cyclic to make
+        # its decode_cyclic pass) and the program's entry point as ``candidate``.
+        try:
+            exec(compile(tests["context"], "<context>", "exec"), namespace)
+        except BaseException as error:  # noqa: BLE001 - trusted code, but it must not take the judge down
+            report("context_error " + _error_name(builtins, error))
+            return
+    else:
+        # MBPP: the tests call the program's functions by name; a name of a builtin keeps the builtin.
+        for name, module in program_modules.items():
+            if name.isidentifier() and name not in vars(builtins) and module in _TEST_MODULES:
+                namespace[name] = importlib.import_module(module)
+        for name in program_names:
+            if name.isidentifier() and not name.startswith("__") and name not in vars(builtins):
+                namespace[name] = proxy(name)
+    candidate = tests["candidate"]
+    if candidate is not None and candidate in program_names:
+        namespace["candidate"] = namespace[candidate] = proxy(candidate)
+    for index, (source, counted) in enumerate(tests["steps"]):
+        try:
+            exec(compile(source, "<test>", "exec"), namespace)
+        except _ProgramGone:
+            raise
+        except _ProgramMemoryError:
+            if counted:
+                report(f"memory {index}")
+            continue
+        except BaseException as error:  # noqa: BLE001 - a failing test, whatever it raised
+            if counted:
+                report(f"fail {index} {_error_name(builtins, error)}")
+            continue
+        if counted:
+            report(f"pass {index}")
+
+
+def _builtin_error(builtins, name) -> type:
+    """The built-in exception class called ``name`` (a program's own classes arrive as Exception)."""
+    value = vars(builtins).get(name) if type(name) is str else None
+    return value if type(value) is type and issubclass(value, BaseException) else Exception
+
+
+def _error_name(builtins, error: BaseException) -> str:
+    cls = type(error)
+    return cls.__name__ if vars(builtins).get(cls.__name__) is cls else "Exception"
+
+
+def _libc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        return libc
+    except (ImportError, OSError):
+        return None
+
+
+def _judge_namespaces(libc) -> list[str]:
+    """New pid and network namespaces for everything the judge starts (and, without root, the user
+    namespace that allows them); [] when the kernel refuses."""
+    if os.geteuid() == 0:
+        return ["pidns", "netns"] if libc.unshare(_CLONE_NEWPID | _CLONE_NEWNET) == 0 else []
+    uid, gid = os.geteuid(), os.getegid()
+    if libc.unshare(_CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNET) != 0:
+        return []
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    except OSError:
+        return []
+    return ["userns", "pidns", "netns"]
+
+
+# ============================================================================================ init
+# Pid 1 of the sandbox's pid namespace (when there is one): starts the program's process, reaps it (and
+# any orphan), and tells the judge how it ended. Init itself cannot be killed by a signal from inside the
+# namespace that it does not handle, which is why the program is not pid 1 (SIGXCPU would not end it).
+
+
+def _init_main(job: dict, libc, request_read: int, reply_write: int, status_write: int) -> None:
+    program_pid = os.fork()
+    if program_pid == 0:
+        os.close(status_write)
+        _program_main(job, libc, request_read, reply_write)
+    for fd in (0, request_read, reply_write):
+        os.close(fd)
+    status = None
+    while True:
+        try:
+            pid, raw = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        if pid == program_pid:
+            status = -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
+            break  # in a pid namespace, leaving kills what else is in it; otherwise the trainer's sweep does
+    if status is not None:
+        os.write(status_write, str(status).encode())
+    os._exit(0)
+
+
+# ============================================================================================ program
+# Untrusted from the moment the program runs: the program may rewrite anything here, which is why the judge
+# trusts nothing it receives but plain data, checked again on its side.
+
+
+def _program_main(job: dict, libc, request_read: int, reply_write: int) -> None:
+    import builtins
     import resource
     import types
 
-    job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    layers, readable_dirs = _contain(job, resource)
-
-    exec_, compile_, type_, callable_, issubclass_, enumerate_, dict_ = (
-        exec, compile, type, callable, issubclass, enumerate, dict,
-    )  # fmt: skip
-    base_exception, memory_error, exit_ = BaseException, MemoryError, os._exit
-    audit = sys.audit
+    if libc is not None:
+        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL: the program dies with its init
+    layers, readable_dirs = _contain(job, libc, resource)
     flush_streams = _make_flush(sys.stdout, sys.stderr)
-    builtin_items = tuple(builtins.__dict__.items())  # the tests' builtins, as they are before the program
-    private_modules = _private_modules(types)
-    real_import = builtins.__import__
-
-    str_ = str
-
-    def private_import(name, globals=None, locals=None, fromlist=(), level=0):
-        if level == 0 and type_(name) is str_ and name in private_modules:
-            return private_modules[name]
-        return real_import(name, globals, locals, fromlist, level)
-
-    # Values a program function may return to the tests: exact built-in types only (a subclass can override
-    # __eq__). Counter is left out on purpose: it is a Python class whose methods a program can patch.
-    guard = _make_guard(
-        (int, float, complex, bool, str, bytes, type(None)),
-        (list, tuple, set, frozenset, collections.deque, bytearray),
-        (dict, collections.OrderedDict, collections.defaultdict),
-    )
-    builtin_errors = tuple(
-        value for value in vars(builtins).values() if type(value) is type and issubclass(value, BaseException)
-    )
-
-    def error_name(error) -> str:
-        cls = type_(error)
-        for known in builtin_errors:  # identity only: a program's exception class may run code on lookups
-            if cls is known:
-                return known.__name__
-        return "Exception"
-
-    def finish() -> None:
-        flush_streams()
-        exit_(0)
-
     audit_enforced = job["audit_hook"]
+    if audit_enforced:
+        layers.append("audit_hook")
+    _write_frame(reply_write, ["ready", layers])
+    # The program starts only once the judge has reported the layers: a run that floods its output at once
+    # is then still a run of the program (output_limit), not a sandbox that did not start.
+    try:
+        _read_frame(request_read, 64)
+    except (EOFError, ValueError):
+        os._exit(0)
+
     sys.addaudithook(
         _make_audit_hook(
-            nonce=job.pop("nonce"),  # from here on the nonce lives only in the hook's closure
-            result_fd=result_fd,
-            genuine_frame=sys._getframe(),
+            reply_write=reply_write,
             workdir=job["workdir"],
             readable_dirs=readable_dirs,
             enforce=audit_enforced,
             flush_streams=flush_streams,
         )
     )
-    if audit_enforced:
-        layers.append("audit_hook")
-    audit(_REPORT_EVENT, "layers " + ",".join(layers))
+
+    def finish():
+        flush_streams()
+        os._exit(0)
 
     try:
-        program = compile_(job["program"], "<solution>", "exec")
-    except base_exception as error:  # SyntaxError, ValueError (NUL bytes), RecursionError, MemoryError
-        audit(_REPORT_EVENT, "syntax_error " + error_name(error))
+        program = compile(job["program"], "<solution>", "exec")
+    except BaseException as error:  # SyntaxError, ValueError (NUL bytes), RecursionError, MemoryError
+        _write_frame(reply_write, ["syntax_error", type(error).__name__])
         finish()
-    compiled = []
-    for source, counted in job["steps"]:
-        try:
-            compiled.append((compile_(source, "<test>", "exec"), bool(counted)))
-        except base_exception:
-            compiled.append((None, bool(counted)))
-    steps = tuple(compiled)  # immutable: a program that reaches this frame cannot swap the tests
-    del compiled
-    context = None
-    if job["context"] is not None:
-        try:
-            context = compile_(job["context"], "<context>", "exec")
-        except base_exception as error:
-            audit(_REPORT_EVENT, "context_error " + error_name(error))
-            finish()
-    candidate = job["candidate"]
+    # A real module in sys.modules: dataclasses, typing and pickle look classes' modules up there. Not
+    # "__main__": a program's `if __name__ == "__main__":` demo block is not run (as in HumanEval).
+    module = types.ModuleType("solution")
+    namespace = module.__dict__
+    namespace["__builtins__"] = builtins
+    sys.modules["solution"] = module
     del job
-
-    # Real modules registered in sys.modules: dataclasses, typing and pickle look classes' modules up there.
-    # Not "__main__": a program's `if __name__ == "__main__":` demo block is not run (as in HumanEval).
-    module_type, modules = types.ModuleType, sys.modules
-    program_module = module_type("solution")
-    program_ns = program_module.__dict__
-    program_ns["__builtins__"] = builtins
-    modules["solution"] = program_module
     try:
-        exec_(program, program_ns)
-    except memory_error:
-        audit(_REPORT_EVENT, "memory")
-        audit(_REPORT_EVENT, "done")
+        exec(program, namespace)
+    except MemoryError:
+        _write_frame(reply_write, ["memory"])
         finish()
-    except base_exception as error:
-        audit(_REPORT_EVENT, "load_error " + error_name(error))
-        audit(_REPORT_EVENT, "done")
+    except BaseException as error:  # noqa: BLE001 - the program's failure, reported by name
+        _write_frame(reply_write, ["load_error", type(error).__name__])
         finish()
+    names, modules = [], {}
+    for name, value in list(namespace.items()):
+        if type(name) is str and type(value) is types.ModuleType and type(value.__name__) is str:
+            modules[name] = value.__name__
+        elif type(name) is str and callable(value):
+            names.append(name)
+    _write_frame(reply_write, ["loaded", names, modules])
+    _serve(namespace, request_read, reply_write, finish)
 
-    private_builtins = dict_(builtin_items)
-    private_builtins["__import__"] = private_import
-    test_module = module_type("tests")
-    test_ns = test_module.__dict__
-    modules["tests"] = test_module
-    test_ns["__builtins__"] = private_builtins
-    if context is not None:
-        # HumanEval: the tests see the prompt's own helpers (a program cannot redefine encode_cyclic to
-        # make its decode_cyclic pass) and the program's entry point as ``candidate``.
+
+def _serve(namespace: dict, request_read: int, reply_write: int, finish) -> None:
+    """Answer call requests until the judge closes the pipe. The program can tamper with this process,
+    but all it can send back is plain data, which it could as well have returned."""
+    while True:
         try:
-            exec_(context, test_ns)
-        except base_exception as error:
-            audit(_REPORT_EVENT, "context_error " + error_name(error))
+            request = _read_frame(request_read, 1 << 30)
+        except (EOFError, ValueError):
             finish()
-    else:
-        # MBPP: the tests call the program's functions by name; each is wrapped by the guard.
-        for name, value in dict_.items(program_ns):
-            if type_(name) is not str or name.startswith("__"):
-                continue
-            is_class = issubclass_(type_(value), type)
-            test_ns[name] = guard(value) if callable_(value) and not is_class else value
-    test_ns["__builtins__"] = private_builtins
-    if candidate is not None:
-        entry = dict_.get(program_ns, candidate)
-        if entry is not None and callable_(entry):
-            # by both names: HumanEval tests mostly say ``candidate`` but some name the function itself
-            test_ns["candidate"] = test_ns[candidate] = guard(entry)
-    audit(_PROTECT_EVENT, test_ns)
-
-    for index, (code, counted) in enumerate_(steps):
-        if code is None:
-            if counted:
-                audit(_REPORT_EVENT, f"fail {index} SyntaxError")
-            continue
+        _, name, args, kwargs = request
         try:
-            exec_(code, test_ns)
-        except memory_error:
-            if counted:
-                audit(_REPORT_EVENT, f"memory {index}")
-            continue
-        except base_exception as error:
-            if counted:
-                audit(_REPORT_EVENT, f"fail {index} {error_name(error)}")
-            continue
-        if counted:
-            audit(_REPORT_EVENT, f"pass {index}")
-    audit(_REPORT_EVENT, "done")
-    finish()
+            value = namespace[name](*_decode(args), **{key: _decode(item) for key, item in kwargs})
+            reply = ["return", _encode(value)]
+        except MemoryError:
+            reply = ["memory"]
+        except BaseException as error:  # noqa: BLE001 - raised by the program: the test sees it by name
+            reply = ["raise", type(error).__name__, ""]
+        _write_frame(reply_write, reply)
 
 
-def _contain(job: dict, resource) -> tuple[list[str], dict[int, str]]:
-    """Namespaces, rlimits, no_new_privs and the uid drop, in that order; returns (layers applied,
-    {fd: directory} of sys.path directories reachable through /proc/self/fd after the uid drop)."""
+def _install_seccomp(libc) -> bool:
+    """A seccomp filter that makes the system calls in _SECCOMP_REFUSED fail with EPERM; False where the
+    architecture is unknown or the kernel refuses (needs no_new_privs first)."""
+    import ctypes
+    import platform
+
+    table = _SECCOMP_REFUSED.get(platform.machine())
+    if table is None:
+        return False
+    arch, numbers = table
+
+    class Instruction(ctypes.Structure):  # struct sock_filter, linux/filter.h
+        _fields_ = [
+            ("code", ctypes.c_uint16),
+            ("jt", ctypes.c_uint8),
+            ("jf", ctypes.c_uint8),
+            ("k", ctypes.c_uint32),
+        ]
+
+    class Program(ctypes.Structure):  # struct sock_fprog
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Instruction))]
+
+    load, jump_eq, jump_ge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, ...
+    allow, refuse, kill = 0x7FFF0000, 0x00050000 | 1, 0x80000000  # RET_ALLOW, RET_ERRNO|EPERM, KILL_PROCESS
+    code = [(load, 0, 0, 4), (jump_eq, 1, 0, arch), (ret, 0, 0, kill), (load, 0, 0, 0)]
+    code.append((jump_ge, len(numbers) + 1, 0, 0x40000000))  # the x32 ABI's numbers: refused as a whole
+    for index, number in enumerate(numbers):
+        code.append((jump_eq, len(numbers) - index, 0, number))
+    code += [(ret, 0, 0, allow), (ret, 0, 0, refuse)]
+    instructions = (Instruction * len(code))(*[Instruction(*item) for item in code])
+    program = Program(len(code), instructions)
+    return libc.prctl(22, 2, ctypes.byref(program), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
+def _contain(job: dict, libc, resource) -> tuple[list[str], dict[int, str]]:
+    """The private root, rlimits, the uid drop (or dropped capabilities) and no_new_privs, in that order;
+    returns (layers applied, {fd: directory} of sys.path directories reachable through /proc/self/fd after
+    a uid drop without a private root)."""
     layers: list[str] = []
-    libc = None
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.syscall.restype = ctypes.c_long
-    except (ImportError, OSError):
-        pass
-    workdir = job["workdir"]
-    if job["namespaces"] and libc is not None:
-        layers += _enter_namespaces(libc, workdir)
-    os.chdir(workdir)  # after the mounts: the cwd must be the writable bind mount, not the read-only original
-
-    uid = job["uid"]
+    workdir, uid = job["workdir"], job["uid"]
     limits = job["limits"]
+    private_root = False
+    if job["namespaces"] and libc is not None:
+        private_root = _private_root(libc, workdir, limits["disk_bytes"], uid)
+        if private_root:
+            layers += ["private_root", "tmpfs_workdir"]
+    os.chdir(workdir)
+
     _set_limit(resource, resource.RLIMIT_CPU, limits["cpu_s"], limits["cpu_s"] + 1)
     _set_limit(resource, resource.RLIMIT_AS, limits["memory_bytes"])
     _set_limit(resource, resource.RLIMIT_FSIZE, limits["file_bytes"])
@@ -274,28 +679,142 @@ def _contain(job: dict, resource) -> tuple[list[str], dict[int, str]]:
 
     readable_dirs: dict[int, str] = {}
     if uid is not None:
-        for index, entry in enumerate(sys.path):
-            if os.path.isdir(entry):
-                fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
-                readable_dirs[fd] = entry
-                sys.path[index] = f"/proc/self/fd/{fd}"
-        # Packages imported at startup (collections, encodings, ...) find their submodules through __path__.
-        for module in list(sys.modules.values()):
-            package_path = getattr(module, "__path__", None)
-            if type(package_path) is list:
-                package_path[:] = [_through_fd(entry, readable_dirs) for entry in package_path]
-        sys.path_importer_cache.clear()
+        if not private_root:
+            # The stdlib may live under a private home (/root): reach it through fds opened before the drop.
+            for index, entry in enumerate(sys.path):
+                if os.path.isdir(entry):
+                    fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+                    readable_dirs[fd] = entry
+                    sys.path[index] = f"/proc/self/fd/{fd}"
+            # Packages imported at startup (encodings, ...) find their submodules through __path__.
+            for module in list(sys.modules.values()):
+                package_path = getattr(module, "__path__", None)
+                if type(package_path) is list:
+                    package_path[:] = [_through_fd(entry, readable_dirs) for entry in package_path]
+            sys.path_importer_cache.clear()
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-        if libc is not None:
+        if libc is not None and not private_root:
             libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: lets the new uid open its own /proc/self/fd
         layers.append(f"uid:{uid}")
+    elif private_root and _drop_capabilities(libc):
+        layers.append("no_caps")
     if libc is not None and libc.prctl(38, 1, 0, 0, 0) == 0:  # PR_SET_NO_NEW_PRIVS
         layers.append("no_new_privs")
+        if _install_seccomp(libc):
+            layers.append("seccomp")
     for name in [n for n in sys.modules if n in ("ctypes", "_ctypes") or n.startswith("ctypes.")]:
         del sys.modules[name]
     return layers, readable_dirs
+
+
+def _private_root(libc, workdir: str, disk_bytes: int, uid: int | None) -> bool:
+    """Enter a new mount namespace whose root holds only what the interpreter needs (see the module
+    docstring) and a size-limited tmpfs at ``workdir``; False when the kernel refuses (nothing changed
+    for the caller that matters: the host's mounts are untouched either way)."""
+    import ctypes
+    import platform
+
+    pivot_root = _SYS_PIVOT_ROOT.get(platform.machine())
+    if pivot_root is None or libc.unshare(_CLONE_NEWNS) != 0:
+        return False
+
+    class MountAttr(ctypes.Structure):  # struct mount_attr, linux/mount.h
+        _fields_ = [(name, ctypes.c_uint64) for name in ("attr_set", "attr_clr", "propagation", "userns_fd")]
+
+    attr_rdonly, attr_nosuid, attr_nodev = 0x1, 0x2, 0x4
+    at_fdcwd, at_recursive = -100, 0x8000
+
+    def mount(source, target, fstype, flags, data=None) -> bool:
+        encode = lambda value: None if value is None else os.fsencode(value)  # noqa: E731
+        return libc.mount(encode(source), encode(target), encode(fstype), flags, encode(data)) == 0
+
+    def read_only(target: str, recursive: bool) -> bool:
+        attr = MountAttr(attr_rdonly | attr_nosuid | attr_nodev, 0, 0, 0)
+        flags = at_recursive if recursive else 0
+        return (
+            libc.syscall(_SYS_MOUNT_SETATTR, at_fdcwd, os.fsencode(target), flags, ctypes.byref(attr), 32)
+            == 0
+        )
+
+    root = workdir  # the empty host directory serves as the mount point of the new root
+    if not (
+        mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing propagates to the host
+        and mount("sandbox-root", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+    ):
+        return False
+    stdlib = [entry for entry in sys.path if os.path.isdir(entry)]
+    binds = [path for path in ("/usr/lib", "/usr/lib64", "/lib", "/lib64") if os.path.isdir(path)]
+    binds = [path for path in binds if not os.path.islink(path)]
+    binds += [
+        path for path in stdlib if not any(_under(path, other) for other in binds + stdlib if other != path)
+    ]
+    for path in binds:
+        target = root + path
+        os.makedirs(target, exist_ok=True)
+        if not (mount(path, target, None, _MS_BIND | _MS_REC) and read_only(target, recursive=True)):
+            return False
+    for link in ("/lib", "/lib64"):
+        if os.path.islink(link):
+            os.symlink(os.readlink(link), root + link)
+    # Other Python installations' packages (the system python3's dist-packages) and the interpreter's own
+    # site-packages: empty read-only tmpfs on top.
+    hidden = [
+        os.path.join(parent, name)
+        for parent in ("/usr/lib", "/usr/lib64")
+        if os.path.isdir(parent)
+        for name in os.listdir(parent)
+        if name.startswith("python")
+    ]
+    hidden = [path for path in hidden if not any(_under(entry, path) for entry in stdlib)]
+    hidden += [os.path.join(entry, name) for entry in stdlib for name in ("site-packages", "dist-packages")]
+    for path in hidden:
+        if os.path.isdir(path) and not os.path.islink(path):
+            if not mount(
+                "hidden", root + path, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "size=4k,mode=555"
+            ):
+                return False
+            read_only(root + path, recursive=False)
+    os.makedirs(root + "/dev")
+    for device in _READABLE_DEVICES:
+        with open(root + device, "w"):
+            pass
+        if not mount(device, root + device, None, _MS_BIND):
+            return False
+    os.makedirs(root + workdir)
+    options = f"size={max(1, disk_bytes)},mode=700" + (f",uid={uid},gid={uid}" if uid is not None else "")
+    if not (
+        mount("sandbox-work", root + workdir, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options)
+        and read_only(root, recursive=False)
+    ):
+        return False
+    os.chdir(root)
+    if libc.syscall(pivot_root, b".", b".") != 0 or libc.umount2(b".", _MNT_DETACH) != 0:
+        return False
+    os.chdir("/")
+    return True
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _drop_capabilities(libc) -> bool:
+    """Clear every capability (effective, permitted, inheritable) of this process: the root of a user
+    namespace could otherwise mount over the private root or undo its read-only flags."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
+
+    for capability in range(64):  # the bounding set too, so that nothing regains them
+        libc.prctl(24, capability, 0, 0, 0)  # PR_CAPBSET_DROP
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    return libc.capset(ctypes.byref(header), data) == 0
 
 
 def _through_fd(path: str, readable_dirs: dict[int, str]) -> str:
@@ -309,116 +828,9 @@ def _through_fd(path: str, readable_dirs: dict[int, str]) -> str:
 def _set_limit(resource, which: int, soft: int, hard: int | None = None) -> None:
     hard = soft if hard is None else hard
     _, current_hard = resource.getrlimit(which)
-    if current_hard != resource.RLIM_INFINITY and os.geteuid() != 0:
+    if current_hard != resource.RLIM_INFINITY:  # only real root could raise it (not a user namespace's)
         soft, hard = min(soft, current_hard), min(hard, current_hard)
     resource.setrlimit(which, (soft, hard))
-
-
-def _enter_namespaces(libc, workdir: str) -> list[str]:
-    """Root: new network + mount namespaces, every mount read-only but ``workdir``. Otherwise: an
-    unprivileged user namespace with a new network namespace, if the kernel allows it."""
-    import ctypes
-
-    clone_newns, clone_newnet, clone_newuser = 0x00020000, 0x40000000, 0x10000000
-    if os.geteuid() != 0:
-        return ["userns", "netns"] if libc.unshare(clone_newuser | clone_newnet) == 0 else []
-    if libc.unshare(clone_newns | clone_newnet) != 0:
-        return []
-    layers = ["netns"]
-
-    class MountAttr(ctypes.Structure):  # struct mount_attr, linux/mount.h
-        _fields_ = [(name, ctypes.c_uint64) for name in ("attr_set", "attr_clr", "propagation", "userns_fd")]
-
-    ms_bind, ms_rec, ms_private = 4096, 16384, 1 << 18
-    attr_rdonly, attr_nosuid, attr_nodev, attr_noexec = 0x1, 0x2, 0x4, 0x8
-    sys_mount_setattr, at_fdcwd, at_recursive = 442, -100, 0x8000  # 442 on every architecture since 5.12
-    path = os.fsencode(workdir)
-
-    def setattr_(target: bytes, flags: int, attr: MountAttr) -> bool:
-        return libc.syscall(sys_mount_setattr, at_fdcwd, target, flags, ctypes.byref(attr), 32) == 0
-
-    if (
-        libc.mount(b"none", b"/", None, ms_rec | ms_private, None) == 0  # nothing propagates to the host
-        and libc.mount(path, path, None, ms_bind, None) == 0
-        and setattr_(b"/", at_recursive, MountAttr(attr_rdonly, 0, 0, 0))
-        and setattr_(path, 0, MountAttr(attr_nosuid | attr_nodev | attr_noexec, attr_rdonly, 0, 0))
-    ):
-        layers.append("readonly_fs")
-    return layers
-
-
-def _private_modules(types) -> dict:
-    """Test-only copies of the modules HumanEval/MBPP tests import: C modules as a copy of their namespace,
-    Python modules freshly executed from their source (so patching the shared ``random.Random`` class or
-    ``string.ascii_letters`` does not reach the tests)."""
-    import cmath
-    import importlib.util
-    import math
-
-    modules = {}
-    for module in (math, cmath):
-        private = types.ModuleType(module.__name__)
-        private.__dict__.update(module.__dict__)
-        modules[module.__name__] = private
-    for name in ("random", "string", "copy"):
-        spec = importlib.util.find_spec(name)
-        private = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(private)
-        modules[name] = private
-    return modules
-
-
-def _make_guard(atoms: tuple, sequences: tuple, mappings: tuple):
-    """``guard(fn)``: ``fn`` wrapped so that a return value other than plain built-in data raises.
-
-    Types are compared by identity only (``in`` on a tuple would call a metaclass's ``__eq__``), and every
-    name used at call time is bound here, before the program runs.
-    """
-    type_, len_, type_error = type, len, TypeError
-    keys, values = dict.keys, dict.values
-    node_limit = _PLAIN_NODE_LIMIT
-
-    def plain(value) -> bool:
-        stack, seen = [value], 0
-        while stack:
-            item = stack.pop()
-            seen += 1
-            if seen > node_limit:
-                return False
-            cls = type_(item)
-            known = False
-            for atom in atoms:
-                if cls is atom:
-                    known = True
-            if known:
-                continue
-            for sequence in sequences:
-                if cls is sequence:
-                    known = True
-            if known:
-                if len_(stack) + len_(item) > node_limit:
-                    return False
-                stack.extend(item)
-                continue
-            for mapping in mappings:
-                if cls is mapping:
-                    known = True
-            if not known:
-                return False
-            stack.extend(keys(item))
-            stack.extend(values(item))
-        return True
-
-    def guard(function):
-        def guarded(*args, **kwargs):
-            value = function(*args, **kwargs)
-            if not plain(value):
-                raise type_error("the function returned something other than plain built-in data")
-            return value
-
-        return guarded
-
-    return guard
 
 
 # Audit events refused outright (exact names, then prefixes).
@@ -472,36 +884,31 @@ def _make_flush(*streams):
     return flush_streams
 
 
-def _make_audit_hook(*, nonce, result_fd, genuine_frame, workdir, readable_dirs, enforce, flush_streams):
-    """The child's audit hook: writes the harness's reports (and only those) to the result pipe, and when
-    ``enforce`` ends the process on the events listed in the module docstring.
+def _make_audit_hook(*, reply_write, workdir, readable_dirs, enforce, flush_streams):
+    """The program process's audit hook: when ``enforce``, it ends the process on the events listed in
+    the module docstring, after telling the judge why ("blocked").
 
-    Defensive style on purpose: everything the hook uses is bound here, before the program runs (a program
-    can rebind module globals and builtins, not these closure cells), and it only calls C functions on
-    values of exact built-in types, so no program code ever runs inside it: its frame, and the nonce in its
-    closure, are never on a program's stack.
+    Everything it uses is bound here, before the program runs, and it only calls C functions on values of
+    exact built-in types, so no program code runs inside it.
     """
-    write, exit_now, getframe = os.write, os._exit, sys._getframe
-    type_, str_, bytes_, int_, getattr_, os_error = type, str, bytes, int, getattr, OSError
-    function_type = type(_make_guard)
-    report_event, protect_event, exit_blocked = _REPORT_EVENT, _PROTECT_EVENT, _EXIT_BLOCKED
+    write_frame, exit_now = _write_frame, os._exit
+    type_, str_, bytes_, int_, base_exception = type, str, bytes, int, BaseException
+    exit_blocked = _EXIT_BLOCKED
     blocked_events, blocked_prefixes, blocked_imports = _BLOCKED_EVENTS, _BLOCKED_PREFIXES, _BLOCKED_IMPORTS
     path_events, write_flags, readable_devices = dict(_PATH_EVENTS), _WRITE_FLAGS, _READABLE_DEVICES
-    guarded_attributes = ("__code__", "__defaults__", "__kwdefaults__", "__globals__", "__closure__")
-    prefix = ("\n" + nonce + " ").encode()
     workdir_slash = workdir + "/"
-    protected = [genuine_frame.f_globals]  # frames running with these globals are off limits
-    readable_prefixes = tuple(f"/proc/self/fd/{fd}" for fd in readable_dirs)
+    # Files may be read only from the working directory, the devices above and the standard library (as
+    # the program's process reaches it: sys.path, or the /proc/self/fd/N of a uid drop without namespaces);
+    # native modules only from the standard library.
+    library_dirs = tuple(entry for entry in sys.path if type_(entry) is str_ and entry.startswith("/"))
+    library_dirs += tuple(f"/proc/self/fd/{fd}" for fd in readable_dirs)
     busy = False
 
-    def emit(line) -> None:
-        try:
-            write(result_fd, prefix + line.encode("utf-8", "replace") + b"\n")
-        except os_error:
-            pass
-
     def block(what) -> None:
-        emit("blocked " + what[:200])
+        try:
+            write_frame(reply_write, ["blocked", what[:200]])
+        except base_exception:
+            pass
         flush_streams()
         exit_now(exit_blocked)
 
@@ -529,13 +936,6 @@ def _make_audit_hook(*, nonce, result_fd, genuine_frame, workdir, readable_dirs,
         normal = normalise(path)
         return normal is not None and (normal == workdir or normal.startswith(workdir_slash))
 
-    def is_protected(frame) -> bool:
-        globals_ = frame.f_globals
-        for namespace in protected:
-            if globals_ is namespace:
-                return True
-        return False
-
     def shown(path) -> str:
         return (
             path.decode("utf-8", "replace") if type_(path) is bytes_ else path if type_(path) is str_ else "?"
@@ -558,37 +958,34 @@ def _make_audit_hook(*, nonce, result_fd, genuine_frame, workdir, readable_dirs,
             # os.open outside the working directory: its descriptor (of a directory) could serve as the
             # dir_fd of a write that the "open" event shows only by its relative name
             block("os.open " + normal)
-        if normal.startswith(("/proc/", "/sys/", "/dev/")) or normal in ("/proc", "/sys", "/dev"):
-            if normal in readable_devices:
-                return
-            for allowed in readable_prefixes:
-                if normal == allowed or normal.startswith(allowed + "/"):
-                    return
+        if normal in readable_devices or normal == workdir or normal.startswith(workdir_slash):
+            return
+        if not in_library(normal):
             block("open " + normal)
+
+    def in_library(normal) -> bool:
+        for directory in library_dirs:
+            if normal == directory or normal.startswith(directory + "/"):
+                return True
+        return False
 
     def hook(event, args) -> None:
         nonlocal busy
-        if busy:
-            return  # an event raised by this hook's own work (sys._getframe, tb_frame below)
+        if busy or not enforce:
+            return  # busy: an event raised by this hook's own work
         busy = True
         try:
-            if event == report_event or event == protect_event:
-                if getframe(1) is not genuine_frame:
-                    block("a forged report")
-                if event == report_event:
-                    emit(args[0])
-                else:
-                    protected.append(args[0])
-                return
-            if not enforce:
-                return
             if event in blocked_events or event.startswith(blocked_prefixes):
                 block(event)
             elif event == "open":
                 check_open(args[0], args[1], args[2])
             elif event == "import":
                 if args[0] in blocked_imports:
-                    block("import " + args[0])
+                    block("import " + shown(args[0]))
+                if args[1] is not None:  # a native module's file (Python source is checked as "open")
+                    normal = normalise(args[1])
+                    if normal is None or not in_library(normal):
+                        block("import of native code from " + shown(args[1]))
             elif event in path_events:
                 path_positions, dir_fd_positions = path_events[event]
                 for position in dir_fd_positions:
@@ -603,41 +1000,23 @@ def _make_audit_hook(*, nonce, result_fd, genuine_frame, workdir, readable_dirs,
                 if not (type_(database) is str_ and (database == ":memory:" or database == "")):
                     if not inside(database):
                         block("sqlite3.connect outside the working directory")
-            elif event == "sys._getframe":
-                if is_protected(args[0]):
-                    block("sys._getframe into the harness")
-            elif event == "object.__getattr__":
-                target, name = args[0], args[1]
-                if name == "f_code" and is_protected(target):
-                    block("f_code of the harness")
-                elif name == "tb_frame" and is_protected(target.tb_frame):
-                    block("tb_frame of the harness")
-            elif event == "object.__setattr__" or event == "object.__delattr__":
-                target, name = args[0], args[1]
-                if type_(target) is function_type and name in guarded_attributes:
-                    globals_ = getattr_(target, "__globals__", None)
-                    for namespace in protected:
-                        if globals_ is namespace:
-                            block(event + " " + name + " of the harness")
         finally:
             busy = False
 
     return hook
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
-    _child_main(int(sys.argv[2]))
-    os._exit(0)  # not reached: the harness always leaves through os._exit
+if __name__ == "__main__" and sys.argv[1:2] == ["--judge"]:
+    _judge_main(int(sys.argv[2]))
+    os._exit(0)
 
 
 # ============================================================================================ parent side
 
 import dataclasses  # noqa: E402  (below the child's entry point: the child never imports these)
-import json  # noqa: E402
 import logging  # noqa: E402
 import secrets  # noqa: E402
 import selectors  # noqa: E402
-import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -667,7 +1046,8 @@ class SandboxError(RuntimeError):
 @dataclass(frozen=True)
 class Limits:
     """Resource limits of one run. ``processes`` is how many processes/threads the program may start
-    beyond itself (0: none; enforced by the kernel only with the uid layer)."""
+    beyond itself (0: none; enforced by the kernel only with the uid layer). ``disk_mb`` is the size of the
+    working directory's tmpfs (with the private root only; otherwise only ``file_bytes`` per file holds)."""
 
     wall_s: float = 10.0
     cpu_s: int = 8
@@ -675,6 +1055,7 @@ class Limits:
     output_bytes: int = 1 << 20
     file_bytes: int = 16 << 20
     open_files: int = 64
+    disk_mb: int = 64
     processes: int = 0
 
 
@@ -742,13 +1123,11 @@ def run_tests(
             os.chown(workdir, uid, uid)
         os.chmod(workdir, 0o700)
         nonce = secrets.token_hex(16)
+        # Two frames: the program's process is started after the first and before the judge reads the
+        # second, so the tests and the nonce never exist in its memory.
         job = {
-            "nonce": nonce,
             "workdir": workdir,
             "program": program,
-            "steps": [[step.source, step.counted] for step in steps],
-            "context": context,
-            "candidate": candidate,
             "uid": uid,
             "namespaces": isolation.namespaces,
             "audit_hook": isolation.audit_hook,
@@ -758,9 +1137,16 @@ def run_tests(
                 "file_bytes": int(limits.file_bytes),
                 "open_files": int(limits.open_files),
                 "processes": int(limits.processes),
+                "disk_bytes": int(limits.disk_mb) << 20,
             },
         }
-        raw = _run_child(json.dumps(job).encode("utf-8"), workdir, uid, limits)
+        tests = {
+            "nonce": nonce,
+            "steps": [[step.source, step.counted] for step in steps],
+            "context": context,
+            "candidate": candidate,
+        }
+        raw = _run_child(_frame(job) + _frame(tests), workdir, uid, limits)
     finally:
         _remove_tree(workdir)
     return _interpret(raw, nonce, counted, limits)
@@ -786,7 +1172,7 @@ def _run_child(job: bytes, workdir: str, uid: int | None, limits: Limits) -> _Ra
         "TMPDIR": workdir,
         "PYTHONDONTWRITEBYTECODE": "1",
     }
-    command = [sys.executable, "-I", "-S", "-B", str(SANDBOX_FILE), "--child", str(result_write)]
+    command = [sys.executable, "-I", "-S", "-B", str(SANDBOX_FILE), "--judge", str(result_write)]
     start = time.monotonic()
     try:
         process = subprocess.Popen(
@@ -860,6 +1246,16 @@ def _collect(process: subprocess.Popen, result_read: int, limits: Limits, start:
             if output_total > limits.output_bytes or len(results) > limits.output_bytes:
                 output_exceeded = True
                 break
+    # What the judge reported before a limit cut the run short (its layers, say) is still in the pipe.
+    if result_read in open_fds:
+        while len(results) <= limits.output_bytes:
+            try:
+                chunk = os.read(result_read, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            results += chunk
     return _RawRun(
         lines=results.decode("utf-8", "replace").split("\n"),
         output=bytes(output),
@@ -873,8 +1269,8 @@ def _collect(process: subprocess.Popen, result_read: int, limits: Limits, start:
 def _interpret(raw: _RawRun, nonce: str, counted: list[int], limits: Limits) -> RunResult:
     tag = nonce + " "
     lines = [line[len(tag) :] for line in raw.lines if line.startswith(tag)]
-    passed, memory, done = set(), False, False
-    syntax_error = blocked = load_error = context_error = None
+    passed, memory, done, gone = set(), False, False, False
+    syntax_error = blocked = load_error = context_error = program_exit = None
     layers: tuple[str, ...] = ()
     for line in lines:
         kind, _, rest = line.partition(" ")
@@ -884,6 +1280,10 @@ def _interpret(raw: _RawRun, nonce: str, counted: list[int], limits: Limits) -> 
             memory = True
         elif kind == "done":
             done = True
+        elif kind == "program_gone":
+            gone = True
+        elif kind == "program_exit" and rest.lstrip("-").isdigit():
+            program_exit = int(rest)
         elif kind == "layers":
             layers = tuple(name for name in rest.split(",") if name)
         elif kind == "syntax_error":
@@ -895,17 +1295,20 @@ def _interpret(raw: _RawRun, nonce: str, counted: list[int], limits: Limits) -> 
         elif kind == "context_error":
             context_error = rest
     if not layers:
-        # The harness never got as far as running the program: the sandbox failed, not the program.
+        # The judge never got as far as running the program: the sandbox failed, not the program.
         tail = raw.output.decode("utf-8", "replace")[-800:]
         raise SandboxError(f"the sandbox harness did not start (exit {raw.returncode}); its output: {tail}")
     passed_count = sum(str(index) in passed for index in counted)
-    signal_number = -raw.returncode if raw.returncode is not None and raw.returncode < 0 else None
+    # How the program's process ended when it ended early (its init reports it), else how the judge did.
+    signal_number = -program_exit if program_exit is not None and program_exit < 0 else None
+    if signal_number is None and raw.returncode is not None and raw.returncode < 0:
+        signal_number = -raw.returncode
     signal_name = _signal_name(signal_number) if signal_number else ""
     if syntax_error is not None:
         status, detail, passed_count = "syntax_error", syntax_error, 0
     elif blocked is not None:
         status, detail, passed_count = "blocked", blocked, 0
-    elif not done and (raw.timed_out or signal_number == signal.SIGXCPU):
+    elif (raw.timed_out and not done) or signal_number == signal.SIGXCPU:
         status, detail = "timeout", f"wall clock over {limits.wall_s:g} s" if raw.timed_out else "CPU limit"
     elif raw.output_exceeded or signal_number == signal.SIGXFSZ:
         status, detail = "output_limit", "output over the cap" if raw.output_exceeded else "file size limit"
@@ -915,15 +1318,16 @@ def _interpret(raw: _RawRun, nonce: str, counted: list[int], limits: Limits) -> 
         status, detail, passed_count = "crash", f"the test context raised {context_error}", 0
     elif load_error is not None:
         status, detail = "crash", f"the program raised {load_error}"
-    elif done:
+    elif done and not gone:
         status, detail = "ok", ""
     else:
         status = "crash"
-        detail = (
-            f"killed by {signal_name}"
-            if signal_name
-            else f"exited ({raw.returncode}) before the tests finished"
-        )
+        if signal_name:
+            detail = f"killed by {signal_name}"
+        elif gone:
+            detail = f"the program exited ({program_exit}) before the tests finished"
+        else:
+            detail = f"the judge exited ({raw.returncode}) before the tests finished"
     return RunResult(
         status=status,
         passed=passed_count,
@@ -1001,15 +1405,45 @@ def _belongs(pid: int, session: int, uid: int | None) -> bool:
 
 
 def _remove_tree(path: str) -> None:
-    def make_writable_and_retry(function, target, _error):
-        try:
-            os.chmod(os.path.dirname(target), 0o700)
-            os.chmod(target, 0o700)
-            function(target)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=make_writable_and_retry)
+    """Delete the directory ``path`` and everything in it, at any depth. Iterative, with one directory
+    descriptor open at a time (``shutil.rmtree`` recurses: a couple of thousand nested folders exceed the
+    recursion limit and PATH_MAX, and the working directory would leak); each directory is made
+    accessible first, since the program may have taken its permissions away."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        os.chmod(path, 0o700)
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return
+    names: list[str] = []  # the directories from ``path`` down to the one ``fd`` is open on
+    try:
+        while True:
+            child = None
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        child = entry.name
+                        break
+                    os.unlink(entry.name, dir_fd=fd)
+            if child is not None:
+                try:
+                    os.chmod(child, 0o700, dir_fd=fd)
+                except PermissionError:
+                    pass  # not ours to change (the sandbox uid's, as root): root needs no permission
+                deeper = os.open(child, flags, dir_fd=fd)
+                os.close(fd)
+                fd = deeper
+                names.append(child)
+            elif names:
+                parent = os.open("..", flags, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                os.rmdir(names.pop(), dir_fd=fd)
+            else:
+                break
+    finally:
+        os.close(fd)
+    os.rmdir(path)
 
 
 # ---------------------------------------------------------------------------------------------- isolation
@@ -1032,6 +1466,8 @@ def _fresh_uid() -> int:
 
 
 _PROBE_PROGRAM = "import collections, functools, heapq, itertools, json, math, random, re, string, typing"
+# What Isolation.namespaces must give for the probe to keep it (docs/SANDBOX.md, "What each mode guarantees").
+_NAMESPACE_LAYERS = frozenset({"pidns", "netns", "private_root", "tmpfs_workdir"})
 _default_isolation: Isolation | None = None
 _default_lock = threading.Lock()
 
@@ -1062,9 +1498,17 @@ def _probe_isolation() -> Isolation:
             log.warning("sandbox probe %s failed to start: %r", isolation, error)
             continue
         if result.all_passed:
-            if isolation.namespaces and "netns" not in result.layers:
+            missing = sorted(_NAMESPACE_LAYERS - set(result.layers)) if isolation.namespaces else []
+            if not missing:
+                return isolation
+            log.warning(
+                "sandbox: the kernel refused %s; the program will see the trainer's file system and only "
+                "the audit hook keeps it from the user's files (docs/SANDBOX.md)",
+                ", ".join(missing),
+            )
+            if not isolation.unprivileged_uid:
                 return dataclasses.replace(isolation, namespaces=False)
-            return isolation
+            continue
         log.warning("sandbox probe %s failed: %s %s", isolation, result.status, result.detail)
     return Isolation()
 

