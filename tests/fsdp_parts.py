@@ -56,7 +56,6 @@ def main() -> int:
     parser.add_argument("model_dir")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--freeze-vision", action="store_true")
-    parser.add_argument("--plant", default="", help="a bug to plant (tests watch the check fail)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -92,8 +91,7 @@ def main() -> int:
     # 1. sampling: the sharded model (gathered once) samples what the unsharded one samples
     with torch.no_grad():
         reference_trees = [sample_tree(plain, prompts[r * PROMPTS_PER_RANK : (r + 1) * PROMPTS_PER_RANK], num_thoughts=K, num_answers=M, settings=settings_for(r)) for r in range(world)]
-        context = sharding.gathered(scorer) if args.plant != "no-gather" else sharding.contextlib.nullcontext()
-        with context:
+        with sharding.gathered(scorer):
             tree = sample_tree(sharded, mine, num_thoughts=K, num_answers=M, settings=settings_for(rank))
     same_tokens = tree.thought_ids == reference_trees[rank].thought_ids and tree.answer_ids == reference_trees[rank].answer_ids
     result["sampled_same_tokens"] = same_tokens
@@ -117,8 +115,7 @@ def main() -> int:
         logprobs = scorer(mine, row_prompt, completions, thought_lengths, temperature=1.0)
         # as update_policy: each rank's loss times the number of processes (policy_loss's total_weight 1/N),
         # which FSDP's averaging of gradients over processes turns into the sum of the ranks' losses
-        scale = 1.0 if args.plant == "no-scale" else float(world)
-        (loss_of(logprobs) * scale).backward()
+        (loss_of(logprobs) * world).backward()
         # the unsharded reference: the sum over ranks of each rank's loss
         reference_logprobs = None
         for r in range(world):
