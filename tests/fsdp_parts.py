@@ -56,6 +56,7 @@ def main() -> int:
     parser.add_argument("model_dir")
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--freeze-vision", action="store_true")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="as the 7B FSDP preset trains")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -74,6 +75,9 @@ def main() -> int:
                     p.data.normal_(0, 0.05)
         if args.freeze_vision:
             lora.freeze_vision(policy.model)
+        if args.gradient_checkpointing:
+            policy.model.train()
+            policy.model.activation_checkpointing_enable()
         return policy
 
     plain, sharded = make_policy(), make_policy()
@@ -105,7 +109,8 @@ def main() -> int:
     trainable = lora.trainable_parameters(sharded.model)
     names = [n for n, p in sharded.model.named_parameters() if p.requires_grad]
     plain_params = dict(plain.model.named_parameters())
-    for share in (True, False):
+    # transformers drops the KV cache under gradient checkpointing: the trainer then re-encodes only
+    for share in (False,) if args.gradient_checkpointing else (True, False):
         scorer.share_prefixes = share
         for p in trainable:
             p.grad = None
