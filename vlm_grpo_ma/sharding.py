@@ -178,6 +178,15 @@ def gathered(module: torch.nn.Module) -> Iterator[None]:
             unit.set_reshard_after_forward(after_forward.get(id(unit), False), recurse=False)
 
 
+def sync_gradients(scorer: torch.nn.Module, now: bool) -> None:
+    """Set before a micro-batch's forward. DDP: gradients are all-reduced only in the backward of a step's
+    last micro-batch (``now``); the earlier ones accumulate locally, what DDP's ``no_sync`` does, without
+    nesting the micro-batch loop in a context. FSDP2 keeps reduce-scattering every micro-batch: holding
+    unsharded gradients until the last one would cost the memory sharding is for."""
+    if hasattr(scorer, "require_backward_grad_sync"):  # a DDP wrapper (one process: no wrapper, nothing to sync)
+        scorer.require_backward_grad_sync = now
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 

@@ -148,6 +148,7 @@ def update_policy(
     for iteration in range(cfg.algorithm.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for index, micro in enumerate(micro_batches):
+            sharding.sync_gradients(scorer, now=index == len(micro_batches) - 1)  # DDP: one all-reduce per update
             logprobs = score_rows(scorer, micro, prompts, accelerator, temperature)
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
@@ -435,8 +436,9 @@ def make_accelerator(cfg: Config):
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),
             mixed_precision=cfg.train.mixed_precision,
-            # a step may leave parts unused on one process (no image prompts there: no vision tower)
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
+            # a process whose prompts of a step have no image leaves the vision tower unused: DDP must then
+            # look for unused parameters (a graph walk every backward), but only if the tower trains
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.model.lora_rank == 0 and not cfg.model.freeze_vision)],
         )
     if accelerator.distributed_type.value == "DEEPSPEED":
         raise ConfigError(
