@@ -18,10 +18,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-from vlm_grpo_ma import lora, sharding
-from vlm_grpo_ma.policy import CompletionScorer, SamplingSettings, encode_prompt, load_policy, prompt_generators, sample_tree
-from vlm_grpo_ma.registry import get_task
 from tasks import grounding  # noqa: F401  (registers the task)
+from vlm_grpo_ma import lora, sharding
+from vlm_grpo_ma.policy import (
+    CompletionScorer,
+    SamplingSettings,
+    encode_prompt,
+    load_policy,
+    prompt_generators,
+    sample_tree,
+)
+from vlm_grpo_ma.registry import get_task
 
 PROMPTS_PER_RANK, K, M = 2, 2, 2
 

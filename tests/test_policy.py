@@ -281,7 +281,7 @@ def test_preallocated_sampling_cache_samples_what_the_growing_cache_samples(tiny
                           settings=SamplingSettings(**settings, generators=policy_module.prompt_generators(3, 0, 2)))
     assert preallocated.thought_ids == growing.thought_ids and preallocated.answer_ids == growing.answer_ids
     for a, b in ((preallocated.thought_logprobs, growing.thought_logprobs), (preallocated.answer_logprobs, growing.answer_logprobs)):
-        assert max(abs(x - y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b)) <= 1e-6
+        assert max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True)) <= 1e-6
 
     cache = growing_cache(tiny_policy, 8)
     layer = cache.layers[0]
