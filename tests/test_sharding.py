@@ -2,10 +2,10 @@
 (gloo) the sharded model against an unsharded copy: sampling, the training forward/backward (tree-shared and
 re-encoding), the gradient averaging and clipping; and LoRA under FSDP trained end to end against one process.
 
-Planted and seen to fail: ``gathered`` not unsharding (the rollout then runs on DTensor shards and fails);
-the loss not multiplied by the number of processes (gradients half the unsharded ones); the clipping norm
-summed on one process only (norm too small); LoRA weights written from the sharded state dict (DTensors:
-the adapter folder is not written)."""
+Planted and seen to fail: ``gathered`` not unsharding (the rollout then mixes DTensor shards and plain
+tensors and fails); the loss not multiplied by the number of processes in fsdp_parts (gradients half the
+unsharded ones); the clipping norm not all-reduced (222.8 against 307.4); the LoRA adapter saved from the
+module's own (sharded) state dict instead of the gathered one (the two-process run fails at the save)."""
 
 import json
 import os
