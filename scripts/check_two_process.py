@@ -1,12 +1,16 @@
-"""Two processes train what one process trains: the data-parallel equivalence check (CPU, gloo).
+"""Two processes train what one process trains: the data-parallel and fully-sharded equivalence check
+(CPU, gloo).
 
 Runs the same short GRPO-MA run (same seed, same global batch of prompts, warmup then linear decay of the
 learning rate) on a freshly initialised tiny model: once as one process, once as two processes under
-``accelerate launch`` (DDP over gloo), with AdamW and with plain SGD. It prints, per step, the learning rate
+``accelerate launch`` (``--strategy ddp``: DDP; ``--strategy fsdp``: FSDP2, parameters, gradients and
+optimizer state sharded), with AdamW and with plain SGD. It prints, per step, the learning rate
 and grad norm each run logged, and the largest difference between the runs' final weights, next to how far
-training moved them; then the same for a two-process run stopped a step early and resumed.
+training moved them; then the same for a two-process run stopped a step early and resumed; then the bytes
+of parameters, gradients and optimizer state each process holds, next to the one-process (unsharded)
+figure (FSDP: each rank must hold at most 55% of it).
 
-    .venv/bin/python scripts/check_two_process.py [--steps 3] [--keep DIR]
+    .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--keep DIR]
 
 Why both optimisers and a schedule: AdamW divides the gradient by its running scale, so its weights cannot see a
 constant factor on the gradient (a wrong token normaliser, a gradient summed instead of averaged); SGD's can.
@@ -15,8 +19,9 @@ and in the weights.
 
 Exit status 0 when every difference is within --tolerance (1e-5; grad norms and rates relative), else 1.
 The run uses a reward every untrained sample varies on (answer length), so the weights do move.
-The launch uses ``configs/accelerate/cpu-2proc.yaml`` (its header says why it names MULTI_GPU: in
-accelerate 1.16 a MULTI_CPU launch goes through mpirun; with no GPU the torchrun workers run on the CPU, gloo).
+The launch uses ``configs/accelerate/cpu-2proc.yaml`` (DDP; its header says why it names MULTI_GPU: in
+accelerate 1.16 a MULTI_CPU launch goes through mpirun; with no GPU the torchrun workers run on the CPU, gloo)
+or ``configs/accelerate/cpu-2proc-fsdp.yaml`` (FSDP2 through torch's fully_shard, vlm_grpo_ma/sharding.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TASK_MODULE = ROOT / "tests" / "fixtures" / "answer_length_task.py"
 LEARNING_RATES = {"adamw": 1e-3, "sgd": 0.5}  # both move the untrained model's weights by ~1e-3 in 3 steps
+LAUNCH_CONFIGS = {"ddp": "configs/accelerate/cpu-2proc.yaml", "fsdp": "configs/accelerate/cpu-2proc-fsdp.yaml"}
+MEMORY_PARTS = ("parameter", "gradient", "optimizer")
+SHARDED_SHARE = 0.55  # FSDP over 2 processes: each holds about half (shards are padded to equal sizes)
 
 
 def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
@@ -61,13 +69,13 @@ def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
     ]
 
 
-def launch(out_dir: Path, overrides: list[str], processes: int, *, resume: bool = False) -> None:
+def launch(out_dir: Path, overrides: list[str], processes: int, *, resume: bool = False, strategy: str = "ddp") -> None:
     python = sys.executable
     if processes == 1:
         command = [python, "-m", "vlm_grpo_ma.train"]
     else:
         command = [
-            python, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/cpu-2proc.yaml"),
+            python, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / LAUNCH_CONFIGS[strategy]),
             "--num_processes", str(processes), "-m", "vlm_grpo_ma.train",
         ]
     command += ["--output-dir", str(out_dir), *overrides] + (["--resume"] if resume else [])
@@ -100,19 +108,40 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in zip(a, b, strict=True))
 
 
-def check_optimizer(work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float) -> bool:
+def memory_figures(run_dir: Path, processes: int) -> list[dict[str, float]]:
+    """Per rank, the bytes of parameters, gradients and optimizer state it held after the last step."""
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    return [{part: last[f"memory/rank{rank}_{part}_bytes"] for part in MEMORY_PARTS} for rank in range(processes)]
+
+
+def check_memory(one: Path, two: Path, strategy: str) -> bool:
+    """Prints each rank's bytes next to the one-process figure; FSDP: each rank holds about half."""
+    (unsharded,), ranks = memory_figures(one, 1), memory_figures(two, 2)
+    print(f"  bytes held per process ({strategy}, 2 processes) vs one process:")
+    ok = True
+    for part in (*MEMORY_PARTS, "total"):
+        full = sum(unsharded.values()) if part == "total" else unsharded[part]
+        held = [sum(r.values()) if part == "total" else r[part] for r in ranks]
+        shares = [h / full if full else 0.0 for h in held]
+        print(f"    {part:<10} one process {full:>12,.0f} | rank 0 {held[0]:>12,.0f} ({shares[0]:.1%}) | rank 1 {held[1]:>12,.0f} ({shares[1]:.1%})")
+        if strategy == "fsdp" and full and max(shares) > SHARDED_SHARE:
+            ok = False
+    return ok
+
+
+def check_optimizer(work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str = "ddp") -> bool:
     """One optimiser: one process vs two, and two straight vs two stopped and resumed. Prints the figures."""
     from safetensors.torch import load_file
 
     overrides = run_overrides(model_dir, steps, optimizer)
-    one, two, resumed = work / f"{optimizer}-one-process", work / f"{optimizer}-two-processes", work / f"{optimizer}-two-resumed"
+    one, two, resumed = work / f"{optimizer}-one-process", work / f"{optimizer}-two-{strategy}", work / f"{optimizer}-two-{strategy}-resumed"
     launch(one, overrides, 1)
-    launch(two, overrides, 2)
+    launch(two, overrides, 2, strategy=strategy)
     # stopped a step early: a run with the same train.steps (it fixes the schedule) whose last checkpoint is
     # removed, so --resume continues from the checkpoint of step steps - 1
-    launch(resumed, [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"], 2)
+    launch(resumed, [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"], 2, strategy=strategy)
     shutil.rmtree(resumed / "checkpoints" / f"step-{steps:06d}")
-    launch(resumed, overrides, 2, resume=True)
+    launch(resumed, overrides, 2, resume=True, strategy=strategy)
     start = load_file(Path(model_dir) / "model.safetensors")
     w_one, w_two, w_resumed = final_weights(one), final_weights(two), final_weights(resumed)
     moved, difference, resume_difference = (
@@ -130,13 +159,16 @@ def check_optimizer(work: Path, model_dir: Path, steps: int, optimizer: str, tol
     print(f"  largest weight difference, one vs two processes:    {difference:.3e}")
     print(f"  learning rate / grad norm, largest relative difference: {rate_difference:.3e} / {norm_difference:.3e}")
     print(f"  two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
+    memory_ok = check_memory(one, two, strategy)
     return (
         max(difference, resume_difference, rate_difference, norm_difference) <= tolerance and moved > 10 * tolerance
+        and memory_ok
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strategy", choices=sorted(LAUNCH_CONFIGS), default="ddp", help="how two processes split the work")
     parser.add_argument("--steps", type=int, default=3, help="training steps (>= 2)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=sorted(LEARNING_RATES))
@@ -147,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         model_dir = build_untrained(work / "untrained", seed=0)
-        print(f"steps: {args.steps} (warmup 1, then linear decay), global batch: 4 prompts x 2 thoughts x 2 answers, "
-              f"seed 0, tolerance {args.tolerance:g}")
-        results = [check_optimizer(work, model_dir, args.steps, name, args.tolerance) for name in args.optimizers]
+        print(f"strategy: {args.strategy}; steps: {args.steps} (warmup 1, then linear decay), global batch: 4 prompts x "
+              f"2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}")
+        results = [check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy) for name in args.optimizers]
     ok = all(results)
     print("equivalent" if ok else "NOT equivalent")
     return 0 if ok else 1

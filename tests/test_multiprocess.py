@@ -1,9 +1,14 @@
-"""Data parallelism: two processes (DDP over gloo, on the CPU) end where one process ends, and resume exactly.
+"""Two processes (on the CPU, gloo) end where one process ends, and resume exactly: data parallel (DDP) and
+fully sharded (FSDP2).
 
-scripts/check_two_process.py compares, with warmup + linear decay, AdamW and plain SGD: the learning rate and
-grad norm logged at every step and the final weights. Planted and seen to fail it: the scheduler passed to
-accelerate.prepare (rate 5e-4, 5e-4, 0 on two processes against 5e-4, 1e-3, 5e-4) and the loss not scaled by
-the number of processes (grad norms halved; SGD weights 1.7e-2 apart)."""
+scripts/check_two_process.py compares, with warmup + linear decay: the learning rate and grad norm logged at
+every step and the final weights (and, per rank, the bytes of parameters, gradients and optimizer state).
+Planted and seen to fail (DDP): the scheduler passed to accelerate.prepare (rate 5e-4, 5e-4, 0 on two processes
+against 5e-4, 1e-3, 5e-4) and the loss not scaled by the number of processes (grad norms halved; SGD weights
+1.7e-2 apart). FSDP runs AdamW only here to keep the suite short (the script's default runs SGD too; the
+gradient scale SGD would see is checked exactly by tests/test_sharding.py); AdamW is the one whose resume
+needs the optimizer state. Planted and seen to fail (FSDP): the resume not loading the sharded optimizer
+state, and the rollout without gathering the parameters (see tests/test_sharding.py)."""
 
 import subprocess
 import sys
@@ -14,11 +19,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_two_processes_train_what_one_process_trains():
+def _check(*args: str) -> str:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "check_two_process.py"), "--steps", "3"],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, str(ROOT / "scripts" / "check_two_process.py"), "--steps", "3", *args],
+        capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "equivalent"
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_two_processes_train_what_one_process_trains():
+    _check("--strategy", "ddp")
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_train_what_one_process_trains_with_half_the_memory_each():
+    out = _check("--strategy", "fsdp", "--optimizers", "adamw")
+    total = next(line for line in out.splitlines() if line.strip().startswith("total"))
+    assert total.count("(50.0%)") == 2, out  # each rank holds half of parameters + gradients + AdamW state

@@ -261,3 +261,36 @@ def test_shared_prefix_logprobs_encode_each_prompt_and_thought_once(tiny_policy)
     assert decoder_batches[1][1] == max(len(t) for t in tree.thought_ids)
     assert decoder_batches[2][1] == max(len(a) for a in tree.answer_ids) - 1  # an answer's last token predicts nothing
     assert images == [2]
+
+
+def test_preallocated_sampling_cache_samples_what_the_growing_cache_samples(tiny_policy, monkeypatch):
+    """sample_tree's KV cache writes into buffers allocated once; transformers' own grows by concatenation.
+    Same seed, same tokens and log-probs; and the cache's keys are views of one buffer (no copy per token).
+    Planted and seen to fail: the new tokens written one slot late (log-probs differ) and the buffer doubled
+    on every update (the data pointer changes)."""
+    from vlm_grpo_ma import policy as policy_module
+    from vlm_grpo_ma.policy import _sampling_cache
+
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
+    settings = dict(temperature=1.0, max_thought_tokens=10, max_answer_tokens=6, thought_stop="e")
+    preallocated = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2,
+                               settings=SamplingSettings(**settings, generators=policy_module.prompt_generators(3, 0, 2)))
+    growing_cache = _sampling_cache  # the same cache without a capacity: transformers' DynamicLayer
+    monkeypatch.setattr(policy_module, "_sampling_cache", lambda policy, capacity: growing_cache(policy, None))
+    growing = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2,
+                          settings=SamplingSettings(**settings, generators=policy_module.prompt_generators(3, 0, 2)))
+    assert preallocated.thought_ids == growing.thought_ids and preallocated.answer_ids == growing.answer_ids
+    for a, b in ((preallocated.thought_logprobs, growing.thought_logprobs), (preallocated.answer_logprobs, growing.answer_logprobs)):
+        assert max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True)) <= 1e-6
+
+    cache = growing_cache(tiny_policy, 8)
+    layer = cache.layers[0]
+    assert type(layer).__name__ == "PreallocatedLayer"
+    keys = torch.randn(2, 1, 3, 4)
+    layer.update(keys, keys.clone())
+    first = layer.keys.data_ptr()
+    layer.update(keys[:, :, :1], keys[:, :, :1].clone())
+    assert layer.keys.data_ptr() == first and layer.keys.shape[-2] == 4
+    assert torch.equal(layer.keys[:, :, 3], keys[:, :, 0])
+    layer.update(keys.repeat(1, 1, 3, 1), keys.repeat(1, 1, 3, 1))  # past the capacity: it grows, still right
+    assert layer.keys.shape[-2] == 13 and torch.equal(layer.keys[:, :, 4:7], keys)

@@ -30,10 +30,9 @@ def _gpu_check():
 ACCELERATE_EXPECTED = {
     "ddp.yaml": ("MULTI_GPU", 8, "bf16", False),
     "fsdp.yaml": ("FSDP", 8, "bf16", False),
-    "deepspeed-zero2.yaml": ("DEEPSPEED", 8, "bf16", False),
-    "deepspeed-zero3.yaml": ("DEEPSPEED", 8, "bf16", False),
     # MULTI_GPU on purpose: accelerate's launcher starts 2 workers only for multi-process types (see the file)
     "cpu-2proc.yaml": ("MULTI_GPU", 2, "no", True),
+    "cpu-2proc-fsdp.yaml": ("FSDP", 2, "no", True),
 }
 
 
@@ -86,22 +85,30 @@ def test_fsdp_preset_wraps_qwen_layers_full_shard_bf16():
     assert plugin.cpu_ram_efficient_loading is False
 
 
+@pytest.mark.parametrize("name", sorted(ACCELERATE_EXPECTED))
+def test_no_launch_preset_is_refused_by_the_trainer(name, monkeypatch):
+    """What `accelerate launch --config_file FILE` exports is what the trainer reads at start
+    (sharding.launch_settings): every preset runs, the FSDP ones with the Qwen2.5-VL layers as units."""
+    from accelerate.utils import prepare_multi_gpu_env
+
+    from vlm_grpo_ma import sharding
+
+    args = _launch_args(name)
+    for key in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(key)
+    with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
+        settings = sharding.launch_settings()
+    if ACCELERATE_EXPECTED[name][0] == "FSDP":
+        assert settings == sharding.FSDPSettings(("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"), reshard_after_forward=True)
+    else:
+        assert settings is None
+
+
 def test_fsdp_wrap_classes_exist_in_transformers():
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
 
     for name in ("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"):
         assert hasattr(modeling_qwen2_5_vl, name)
-
-
-@pytest.mark.parametrize("name, stage", [("deepspeed-zero2.yaml", 2), ("deepspeed-zero3.yaml", 3)])
-def test_deepspeed_presets(name, stage):
-    args = _launch_args(name)
-    assert args.use_deepspeed and args.zero_stage == stage
-    assert (
-        args.gradient_clipping == load_config().train.max_grad_norm
-    )  # the engine clips, at the config's norm
-    assert args.gradient_accumulation_steps == 1
-    assert args.offload_optimizer_device == args.offload_param_device == "none"
 
 
 def test_multi_process_launchers():

@@ -1,6 +1,7 @@
 """End-to-end: a few steps on the untrained tiny model, outputs, crash safety and exact resume."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -280,17 +281,43 @@ def test_overrides_may_sit_between_options(tmp_path, capsys):
     assert code == 2 and "train.steps=0 must be > 0" in capsys.readouterr().err  # parsed, then validated
 
 
-@pytest.mark.parametrize("distributed_type", ["FSDP", "DEEPSPEED"])
-def test_sharded_engines_are_refused_at_start(distributed_type, monkeypatch):
+def test_deepspeed_is_refused_at_start_naming_what_runs(monkeypatch):
     import accelerate
 
-    class ShardedAccelerator:  # stands in for accelerate's launcher state only; the trainer's check is real
+    class DeepSpeedAccelerator:  # stands in for accelerate's launcher state only; the trainer's check is real
         def __init__(self, **kwargs):
-            self.distributed_type = accelerate.utils.DistributedType(distributed_type)
+            self.distributed_type = accelerate.utils.DistributedType("DEEPSPEED")
             self.num_processes = 2
 
-    monkeypatch.setattr(accelerate, "Accelerator", ShardedAccelerator)
-    with pytest.raises(ConfigError, match=f"distributed_type {distributed_type} is not supported yet"):
+    monkeypatch.setattr(accelerate, "Accelerator", DeepSpeedAccelerator)
+    with pytest.raises(ConfigError, match="DEEPSPEED is not supported; use FSDP2 .*fsdp.yaml.* or data parallelism"):
+        train_module.make_accelerator(load_config(None, []))
+
+
+def test_an_fsdp_launch_gets_a_plain_accelerator_the_trainer_shards_for(monkeypatch):
+    """accelerate's FSDP plugin stays off (the trainer shards with fully_shard, vlm_grpo_ma/sharding.py); an
+    FSDP setting the trainer does not run is refused at start by name. Planted and seen to fail: the
+    Accelerator created with ACCELERATE_USE_FSDP left in the environment (on the CPU accelerate ignores it,
+    on a GPU it would turn its plugin on: the test records what accelerate would read)."""
+    for name in [k for k in os.environ if k.startswith("FSDP_")]:
+        monkeypatch.delenv(name)
+    import accelerate
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    seen = []
+    real = accelerate.Accelerator
+
+    def recording_accelerator(**kwargs):  # what accelerate reads when it decides on its FSDP plugin (on a GPU)
+        seen.append(os.environ.get("ACCELERATE_USE_FSDP"))
+        return real(**kwargs)
+
+    monkeypatch.setattr(accelerate, "Accelerator", recording_accelerator)
+    accelerator = train_module.make_accelerator(load_config(None, []))
+    assert seen == [None] and accelerator.distributed_type.value != "FSDP"
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"  # restored for whoever reads it next
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="fsdp_version: 1 .* fsdp_version: 2"):
         train_module.make_accelerator(load_config(None, []))
 
 

@@ -51,15 +51,18 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, *, write_model, training_state: dict, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, *, write_model, training_state: dict, keep: int, write_extra=None) -> Path:
     """Write checkpoint ``step`` atomically and keep only the newest ``keep``. ``write_model(folder)`` writes
-    a folder ``load_policy`` loads (full weights, or a LoRA adapter naming its base, plus the processor)."""
+    a folder ``load_policy`` loads (full weights, or a LoRA adapter naming its base, plus the processor);
+    ``write_extra(checkpoint_folder)``, if given, adds more (the sharded optimizer state of an FSDP run)."""
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     write_model(tmp / "model")
+    if write_extra is not None:
+        write_extra(tmp)
     torch.save({**training_state, "step": step, "rng": rng_state()}, tmp / "state.pt")
     if final.exists():
         shutil.rmtree(final)

@@ -14,6 +14,7 @@ shorter thought would then see its answer shifted in RoPE position and get diffe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Sequence
@@ -374,20 +375,20 @@ def _sample_tokens(
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         keep = sorted_probs.cumsum(-1) - sorted_probs < settings.top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
-    probs = probs.cpu()
     if settings.generators is None:
         tokens = torch.multinomial(probs, 1).squeeze(-1)
     else:
         rows_per_prompt, leftover = divmod(probs.shape[0], len(settings.generators))
         if leftover or not rows_per_prompt:
             raise ValueError(f"{probs.shape[0]} rows cannot be split over {len(settings.generators)} prompt generators")
+        # Sampled where the generator lives: on the model's device after sample_tree's _generators_on (the
+        # [rows x vocab] probabilities never leave it); a CPU generator still gets them copied to the host.
         tokens = torch.cat(
             [
-                torch.multinomial(rows, 1, generator=generator).squeeze(-1)
+                torch.multinomial(rows.to(generator.device), 1, generator=generator).squeeze(-1).to(logits.device)
                 for rows, generator in zip(probs.split(rows_per_prompt), settings.generators, strict=True)
             ]
         )
-    tokens = tokens.to(logits.device)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -487,18 +488,81 @@ def _repeat_rows(state: _DecodeState, repeats: int) -> None:
     state.logits = state.logits.repeat_interleave(repeats, dim=0)
 
 
-def prefill(policy: Policy, ids: torch.Tensor, mask: torch.Tensor, grid: torch.Tensor, **vision_inputs) -> _DecodeState:
-    """Run left-padded prompts [N, L] through the model once, into a fresh KV cache. ``vision_inputs`` are
-    the model's image arguments: ``mm_encoder_outputs`` (features already computed) or ``pixel_values`` +
-    ``image_grid_thw``."""
+def _sampling_cache(policy: Policy, capacity: int | None):
+    """A KV cache for decoding: with ``capacity`` (the longest sequence the rollout can reach) every layer
+    writes into a buffer allocated once (``_preallocated_layer_class``) instead of growing by ``torch.cat`` at every
+    token, which copies the whole cache each step. Models whose layers are not plain dynamic ones (sliding
+    windows) keep transformers' own."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
+    cache = DynamicCache(config=policy.model.config)
+    if capacity is not None and cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        layer_class = _preallocated_layer_class()
+        cache.layers = [layer_class(capacity) for _ in cache.layers]
+    return cache
+
+
+@functools.cache
+def _preallocated_layer_class():
+    """The class, built on first use (transformers is imported lazily in this module)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """A DynamicLayer whose keys and values are views of the first ``length`` slots of buffers of
+        ``capacity`` slots: an update copies only the new tokens. A sequence past the capacity doubles it."""
+
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity, self.length = capacity, 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self._buffers = [x.new_empty((*x.shape[:-2], max(self.capacity, x.shape[-2]), x.shape[-1])) for x in (key_states, value_states)]
+            end = self.length + key_states.shape[-2]
+            if end > self._buffers[0].shape[-2]:  # past the planned length: grow (not expected in a rollout)
+                self._buffers = [torch.cat([b, torch.empty_like(b)], dim=-2) for b in self._buffers]
+            self._buffers[0][..., self.length : end, :] = key_states
+            self._buffers[1][..., self.length : end, :] = value_states
+            self.length = end
+            self._views()
+            return self.keys, self.values
+
+        def _views(self) -> None:
+            self.keys, self.values = (b[..., : self.length, :] for b in self._buffers)
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.length:
+                self._buffers = [b.repeat_interleave(repeats, dim=0) for b in self._buffers]
+                self._views()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.length:
+                self._buffers = [b[indices, ...] for b in self._buffers]
+                self._views()
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            self.batch_select_indices(beam_idx.to(self._buffers[0].device))
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("the sampling cache is never cropped")
+
+    return PreallocatedLayer
+
+
+def prefill(
+    policy: Policy, ids: torch.Tensor, mask: torch.Tensor, grid: torch.Tensor, *, capacity: int | None = None, **vision_inputs
+) -> _DecodeState:
+    """Run left-padded prompts [N, L] through the model once, into a fresh KV cache (preallocated for
+    ``capacity`` tokens per row when given). ``vision_inputs`` are the model's image arguments:
+    ``mm_encoder_outputs`` (features already computed) or ``pixel_values`` + ``image_grid_thw``."""
     positions = _rope_positions(policy, ids, mask, grid)
     out = policy.model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        cache=DynamicCache(config=policy.model.config),
+        cache=_sampling_cache(policy, capacity),
         use_cache=True,
         logits_to_keep=1,
         **vision_inputs,
@@ -509,6 +573,18 @@ def prefill(policy: Policy, ids: torch.Tensor, mask: torch.Tensor, grid: torch.T
         next_position=positions.amax(dim=(0, 2)) + 1,  # [N]
         logits=out.logits[:, -1, :],
     )
+
+
+def _generators_on(settings: SamplingSettings, device: torch.device) -> SamplingSettings:
+    """``settings`` with its per-prompt generators on ``device``, so that sampling stays on the model's
+    device (at Qwen's 151,936-token vocabulary, copying 128 rows of probabilities to the host is 78 MB per
+    decoded token). Each device generator is seeded by one draw from its prompt's CPU generator: a prompt's
+    tree stays a function of (seed, step, prompt), whichever process samples it. On the CPU: unchanged."""
+    if settings.generators is None or device.type == "cpu":
+        return settings
+    seeds = [int(torch.randint(2**62, (), generator=g)) if g.device.type == "cpu" else None for g in settings.generators]
+    moved = [g if seed is None else torch.Generator(device=device).manual_seed(seed) for g, seed in zip(settings.generators, seeds, strict=True)]
+    return dataclasses.replace(settings, generators=moved)
 
 
 @torch.no_grad()
@@ -522,10 +598,13 @@ def sample_tree(
 ) -> TreeSample:
     """K thoughts per prompt, then M answers per thought from the thought's KV cache."""
     device = policy.device
+    settings = _generators_on(settings, device)
     ids, mask = _left_pad([p.input_ids for p in prompts], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     vision, grid = _encode_images(policy, prompts)
-    state = prefill(policy, ids, mask, grid, **_vision_inputs(vision))
+    # every row's longest possible sequence: prompt, thought, answer (the cache never grows by concatenation)
+    capacity = ids.shape[1] + settings.max_thought_tokens + settings.max_answer_tokens
+    state = prefill(policy, ids, mask, grid, capacity=capacity, **_vision_inputs(vision))
     _repeat_rows(state, num_thoughts)
     close_ids = policy.tokenizer.encode(settings.thought_stop, add_special_tokens=False)
     thought_ids, thought_logprobs, thought_forced, thought_truncated = _decode(

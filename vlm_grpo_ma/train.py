@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from vlm_grpo_ma import checkpoint as ckpt
-from vlm_grpo_ma import lora, survive
+from vlm_grpo_ma import lora, sharding, survive
 from vlm_grpo_ma.advantages import grpo_ma_advantages
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config, ConfigError, load_config, save_config
@@ -149,6 +149,7 @@ def update_policy(
     for iteration in range(cfg.algorithm.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for index, micro in enumerate(micro_batches):
+            sharding.sync_gradients(scorer, now=index == len(micro_batches) - 1)  # DDP: one all-reduce per update
             logprobs = score_rows(scorer, micro, prompts, accelerator, temperature)
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
@@ -181,7 +182,11 @@ def update_policy(
                 stats[key] += float(value)
             mismatch = ((logprobs.detach().cpu() - micro.sampling_logprobs).abs() * (micro.token_mask > 0)).max()
             stats["logprob_mismatch_max"] = max(stats["logprob_mismatch_max"], float(mismatch))
-        grad_norms.append(float(accelerator.clip_grad_norm_(lora.trainable_parameters(scorer_model(scorer)), cfg.train.max_grad_norm)))
+        trainable = lora.trainable_parameters(scorer_model(scorer))
+        if sharding.is_sharded(scorer):  # FSDP2: the norm over every process's gradient shards
+            grad_norms.append(sharding.clip_grad_norm_(trainable, cfg.train.max_grad_norm))
+        else:
+            grad_norms.append(float(accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)))
         survive.check_update_finite(stats["loss"], grad_norms[-1])
         if guard is not None:
             guard.weights_changed = True
@@ -438,18 +443,19 @@ def make_accelerator(cfg: Config):
     # train() may run several times in one process (a notebook, a sweep) with another mixed precision:
     # accelerate keeps it in a process-wide singleton, so forget that (not the process group, PartialState).
     AcceleratorState._reset_state(reset_partial_state=False)
-    accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),
-        mixed_precision=cfg.train.mixed_precision,
-        # a step may leave parts unused on one process (no image prompts there: no vision tower)
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
-    )
-    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        # Sampling and scoring call the model's submodules directly; sharded parameters would need gathering
-        # there first, which is not built (nor checkable without GPUs). Refuse rather than fail mid-step.
+    sharding.launch_settings()  # an FSDP launch config the trainer does not run fails here, before any work
+    with sharding.accelerate_without_fsdp():  # FSDP: the trainer shards itself (vlm_grpo_ma/sharding.py)
+        accelerator = Accelerator(
+            cpu=not torch.cuda.is_available(),
+            mixed_precision=cfg.train.mixed_precision,
+            # a process whose prompts of a step have no image leaves the vision tower unused: DDP must then
+            # look for unused parameters (a graph walk every backward), but only if the tower trains
+            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.model.lora_rank == 0 and not cfg.model.freeze_vision)],
+        )
+    if accelerator.distributed_type.value == "DEEPSPEED":
         raise ConfigError(
-            f"accelerate distributed_type {accelerator.distributed_type.value} is not supported yet; "
-            "use data parallelism (configs/accelerate/ddp.yaml) with LoRA or gradient checkpointing to fit memory"
+            "accelerate distributed_type DEEPSPEED is not supported; use FSDP2 (configs/accelerate/fsdp.yaml) "
+            "or data parallelism (configs/accelerate/ddp.yaml)"
         )
     if cfg.train.prompts_per_step % accelerator.num_processes:
         raise ConfigError(
@@ -545,14 +551,24 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     policy, last = load_training_policy(cfg, run_dir, resume, accelerator.device)
     history_state = ckpt.load_training_state(last) if last is not None else None
     start_step = history_state["step"] if history_state is not None else 0
+    scorer = CompletionScorer(policy, share_prefixes=shares_prefixes(cfg))
+    fsdp = sharding.launch_settings() if num_processes > 1 else None
+    if fsdp is not None:  # FSDP2: sharded here, before the optimizer sees the parameters; not DDP-wrapped
+        scorer = sharding.shard(scorer, fsdp, accelerator.device)
     optimizer = make_optimizer(lora.trainable_parameters(policy.model), cfg)
     # The scheduler stays out of accelerator.prepare: a prepared scheduler steps once per process at every
     # step() (N processes: the schedule runs N times too fast). It is stepped once per training step here.
     scheduler = make_scheduler(optimizer, cfg)
-    scorer, optimizer = accelerator.prepare(CompletionScorer(policy, share_prefixes=shares_prefixes(cfg)), optimizer)
+    if fsdp is None:
+        scorer, optimizer = accelerator.prepare(scorer, optimizer)
+    else:
+        optimizer = accelerator.prepare(optimizer)
     reference = make_reference(policy, scorer, cfg, accelerator.device)
     if history_state is not None:
-        optimizer.load_state_dict(history_state["optimizer"])
+        if history_state["optimizer"] == sharding.SHARDED_OPTIMIZER:
+            sharding.load_optimizer(scorer, optimizer, last)
+        else:
+            optimizer.load_state_dict(history_state["optimizer"])
         scheduler.load_state_dict(history_state["scheduler"])
         stream.load_state_dict(history_state["data"])
         ckpt.set_rng_state(history_state["rng"])
@@ -589,6 +605,13 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     instruction_of = lambda name: get_task(name).instruction  # noqa: E731
 
     def save(step: int) -> None:
+        if fsdp is not None:  # collective: every process writes its optimizer shard
+            training_state = {"scheduler": scheduler.state_dict(), **completed}
+            sharding.save_checkpoint(
+                scorer, policy, optimizer, run_dir, step, training_state=training_state, keep=cfg.train.keep_checkpoints,
+                is_main=accelerator.is_main_process,
+            )  # fmt: skip
+            return
         if accelerator.is_main_process:
             def write_model(folder: Path) -> None:
                 lora.save_model(policy, folder)
@@ -606,11 +629,12 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                 keep=cfg.train.keep_checkpoints,
             )
 
-    if eval_sets and start_step == 0 and accelerator.is_main_process:
+    if eval_sets and start_step == 0:
         # the start of the held-out curve: greedy on the same samples as every later evaluation
         policy.model.eval()
-        with accelerator.autocast():
-            logger.log_step(0, evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / "step-000000"), advance=False)
+        with sharding.gathered(scorer), accelerator.autocast():  # gathered: every process takes part (FSDP)
+            if accelerator.is_main_process:
+                logger.log_step(0, evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / "step-000000"), advance=False)
 
     # --- the loop -----------------------------------------------------------------------------------------
     step = start_step
@@ -630,7 +654,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             prompts = prompts[first_prompt : first_prompt + prompts_per_process]
             settings = sampling_settings(cfg, step, first_prompt, len(samples))
             policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
-            with accelerator.autocast():  # bf16 compute when train.mixed_precision=bf16 (weights may be fp32)
+            # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
+            with sharding.gathered(scorer), accelerator.autocast():
                 rollout = generate_rollout(
                     policy,
                     samples,
@@ -671,6 +696,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             metrics = rollout_metrics(rollout, scored, thought_adv, answer_adv, tasks)
             metrics.update(update)
             metrics["train/grad_norm_spike_ratio"] = spikes.observe(update["train/grad_norm"])
+            metrics.update(sharding.state_bytes(policy.model, optimizer, rank))
             metrics.update(timing_metrics(rollout, batch, time.perf_counter() - started, rollout_seconds))
             metrics.update(
                 {
@@ -681,9 +707,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             )
             metrics = mean_over_processes(accelerator, metrics)
             evaluate_now = bool(eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
-            if evaluate_now and accelerator.is_main_process:
-                with accelerator.autocast():
-                    metrics.update(evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / f"step-{step:06d}"))
+            if evaluate_now:
+                with sharding.gathered(scorer), accelerator.autocast():
+                    if accelerator.is_main_process:
+                        metrics.update(evaluate_held_out(policy, eval_sets, cfg, run_dir / "eval" / f"step-{step:06d}"))
             if accelerator.is_main_process:
                 if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluate_now:
                     logger.log_step(step, metrics)
@@ -696,6 +723,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         last_saved = ckpt.latest_checkpoint(run_dir)
         if guard.weights_changed:  # an optimiser step of the unfinished step ran: the weights match no step
             log.error("interrupted while updating step %d: keeping the last checkpoint (%s)", step + 1, last_saved)
+        elif fsdp is not None:  # saving is collective: a process that failed alone would leave the others waiting
+            log.error("interrupted after step %d: FSDP run, no checkpoint on the way out (last: %s)", step, last_saved)
         elif step > start_step and (last_saved is None or not last_saved.name.endswith(f"{step:06d}")):
             log.error("interrupted after step %d: saving a checkpoint before exiting", step)
             save(step)

@@ -1,0 +1,168 @@
+"""FSDP2 pieces against an unsharded copy of the same model, on CPU processes over gloo (run by
+tests/test_sharding.py under ``torch.distributed.run --nproc_per_node 2``):
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_parts.py MODEL_DIR [--lora] [--freeze-vision]
+
+Each rank samples its own prompts with the sharded model (under ``sharding.gathered``) and the unsharded
+copy, scores its rows with the sharded scorer (tree-shared forward and re-encoding) and backpropagates
+its share of a loss, and clips; the unsharded copy computes the same on every rank's rows. Rank 0 prints
+one JSON line of the largest differences."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tasks import grounding  # noqa: F401  (registers the task)
+from vlm_grpo_ma import lora, sharding
+from vlm_grpo_ma.policy import (
+    CompletionScorer,
+    SamplingSettings,
+    encode_prompt,
+    load_policy,
+    prompt_generators,
+    sample_tree,
+)
+from vlm_grpo_ma.registry import get_task
+
+PROMPTS_PER_RANK, K, M = 2, 2, 2
+
+
+def settings_for(rank: int) -> SamplingSettings:
+    # thought_stop "e": an untrained model's thoughts stop at uneven lengths
+    return SamplingSettings(
+        temperature=1.0, max_thought_tokens=10, max_answer_tokens=6, thought_stop="e",
+        generators=prompt_generators(7, rank * PROMPTS_PER_RANK, PROMPTS_PER_RANK),
+    )
+
+
+def rows_of(tree):
+    """Training rows of a tree: (row_prompt, completion ids, thought lengths)."""
+    row_prompt, completions, thought_lengths = [], [], []
+    for a, answer in enumerate(tree.answer_ids):
+        t = a // M
+        row_prompt.append(t // K)
+        completions.append(tree.thought_ids[t] + answer)
+        thought_lengths.append(len(tree.thought_ids[t]))
+    return row_prompt, completions, thought_lengths
+
+
+def loss_of(logprobs: torch.Tensor) -> torch.Tensor:
+    # a fixed, row-dependent weighting so that the gradient is not a plain sum
+    weights = torch.linspace(-1.0, 1.0, logprobs.numel()).reshape(logprobs.shape)
+    return (logprobs * weights).sum()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--freeze-vision", action="store_true")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="as the 7B FSDP preset trains")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def make_policy():
+        policy = load_policy(args.model_dir, attn_implementation="sdpa")
+        if args.lora:
+            torch.manual_seed(1)  # the same adapter initialisation in both copies
+            policy.adapter = lora.apply_lora(
+                policy.model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], base_model_name_or_path=args.model_dir
+            )
+            # LoRA B starts at zero: move it so the adapters change the output
+            for name, p in policy.model.named_parameters():
+                if "lora_B" in name:
+                    p.data.normal_(0, 0.05)
+        if args.freeze_vision:
+            lora.freeze_vision(policy.model)
+        if args.gradient_checkpointing:
+            policy.model.train()
+            policy.model.activation_checkpointing_enable()
+        return policy
+
+    plain, sharded = make_policy(), make_policy()
+    samples = get_task("grounding").load("train", None)[: PROMPTS_PER_RANK * world]
+    prompts = [encode_prompt(plain, s, "Think.") for s in samples]
+    mine = prompts[rank * PROMPTS_PER_RANK : (rank + 1) * PROMPTS_PER_RANK]
+    result = {}
+
+    scorers = {}
+    for share in (True, False):
+        scorers[share] = CompletionScorer(sharded, share_prefixes=share)
+    # one sharded module tree: the tree-shared scorer is the FSDP root; the re-encoding one reuses the model
+    scorer = sharding.shard(scorers[True], sharding.FSDPSettings(), torch.device("cpu"))
+
+    # 1. sampling: the sharded model (gathered once) samples what the unsharded one samples
+    with torch.no_grad():
+        reference_trees = [sample_tree(plain, prompts[r * PROMPTS_PER_RANK : (r + 1) * PROMPTS_PER_RANK], num_thoughts=K, num_answers=M, settings=settings_for(r)) for r in range(world)]
+        with sharding.gathered(scorer):
+            tree = sample_tree(sharded, mine, num_thoughts=K, num_answers=M, settings=settings_for(rank))
+    same_tokens = tree.thought_ids == reference_trees[rank].thought_ids and tree.answer_ids == reference_trees[rank].answer_ids
+    result["sampled_same_tokens"] = same_tokens
+    result["sampling_logprob_difference"] = max(
+        abs(a - b)
+        for x, y in ((tree.thought_logprobs, reference_trees[rank].thought_logprobs), (tree.answer_logprobs, reference_trees[rank].answer_logprobs))
+        for row_a, row_b in zip(x, y, strict=True) for a, b in zip(row_a, row_b, strict=True)
+    )  # fmt: skip
+
+    # 2. the training forward/backward, tree-shared and re-encoding; gradients averaged over processes
+    trainable = lora.trainable_parameters(sharded.model)
+    names = [n for n, p in sharded.model.named_parameters() if p.requires_grad]
+    plain_params = dict(plain.model.named_parameters())
+    # transformers drops the KV cache under gradient checkpointing: the trainer then re-encodes only
+    for share in (False,) if args.gradient_checkpointing else (True, False):
+        scorer.share_prefixes = share
+        for p in trainable:
+            p.grad = None
+        for p in plain.model.parameters():
+            p.grad = None
+        row_prompt, completions, thought_lengths = rows_of(tree)
+        logprobs = scorer(mine, row_prompt, completions, thought_lengths, temperature=1.0)
+        # as update_policy: each rank's loss times the number of processes (policy_loss's total_weight 1/N),
+        # which FSDP's averaging of gradients over processes turns into the sum of the ranks' losses
+        (loss_of(logprobs) * world).backward()
+        # the unsharded reference: the sum over ranks of each rank's loss
+        reference_logprobs = None
+        for r in range(world):
+            rp, comp, tl = rows_of(reference_trees[r])
+            lp = CompletionScorer(plain, share_prefixes=share)(
+                prompts[r * PROMPTS_PER_RANK : (r + 1) * PROMPTS_PER_RANK], rp, comp, tl, temperature=1.0
+            )
+            loss_of(lp).backward()
+            if r == rank:
+                reference_logprobs = lp.detach()
+        key = "shared" if share else "reencode"
+        result[f"{key}_logprob_difference"] = float((logprobs.detach() - reference_logprobs).abs().max())
+        grad_difference, grad_scale = 0.0, 0.0
+        for name, p in zip(names, trainable, strict=True):
+            full = p.grad.full_tensor() if p.grad is not None else None
+            ref = plain_params[name].grad
+            if ref is None and full is None:
+                continue
+            grad_difference = max(grad_difference, float((full - ref).abs().max()))
+            grad_scale = max(grad_scale, float(ref.abs().max()))
+        result[f"{key}_grad_difference"] = grad_difference
+        result[f"{key}_grad_max"] = grad_scale
+        plain_trainable = [plain_params[n] for n in names]
+        reference_norm = float(torch.nn.utils.clip_grad_norm_(plain_trainable, 1e9))  # 1e9: measures, clips nothing
+        result[f"{key}_grad_norm"] = [sharding.clip_grad_norm_(trainable, 1e9), reference_norm]
+    result["trainable_parameters"] = len(trainable)
+    memory = sharding.state_bytes(sharded.model, torch.optim.SGD(trainable, lr=0.1), rank)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (result, memory))
+    if rank == 0:
+        print(json.dumps({"ranks": [r for r, _ in gathered], "memory": [m for _, m in gathered]}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""FSDP2 (vlm_grpo_ma/sharding.py): the launch settings the trainer takes or refuses, and on two CPU processes
+(gloo) the sharded model against an unsharded copy: sampling, the training forward/backward (tree-shared and
+re-encoding), the gradient averaging and clipping; and LoRA under FSDP trained end to end against one process.
+
+Planted and seen to fail: ``gathered`` not unsharding (the rollout then mixes DTensor shards and plain
+tensors and fails); the loss not multiplied by the number of processes in fsdp_parts (gradients half the
+unsharded ones); the clipping norm not all-reduced (222.8 against 307.4); the LoRA adapter saved from the
+module's own (sharded) state dict instead of the gathered one (the two-process run fails at the save)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_grpo_ma import sharding
+from vlm_grpo_ma.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+FSDP_VARIABLES = ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "FSDP_OFFLOAD_PARAMS", "FSDP_TRANSFORMER_CLS_TO_WRAP", "FSDP_RESHARD_AFTER_FORWARD")
+
+
+@pytest.fixture
+def fsdp_env(monkeypatch):
+    for name in FSDP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_no_fsdp_without_the_launch_flag(fsdp_env):
+    assert sharding.launch_settings() is None
+    fsdp_env.setenv("ACCELERATE_USE_FSDP", "false")
+    assert sharding.launch_settings() is None
+
+
+def test_launch_settings_read_from_the_accelerate_environment(fsdp_env):
+    fsdp_env.setenv("ACCELERATE_USE_FSDP", "true")
+    fsdp_env.setenv("FSDP_VERSION", "2")
+    fsdp_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "Qwen2_5_VLDecoderLayer, Qwen2_5_VLVisionBlock")
+    fsdp_env.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    settings = sharding.launch_settings()
+    assert settings == sharding.FSDPSettings(("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"), reshard_after_forward=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [("FSDP_VERSION", "1", "fsdp_version: 1"), ("FSDP_OFFLOAD_PARAMS", "true", "fsdp_offload_params"),
+     ("FSDP_RESHARD_AFTER_FORWARD", "maybe", "'maybe'")],
+)  # fmt: skip
+def test_settings_the_trainer_does_not_run_are_refused_by_name(fsdp_env, name, value, message):
+    fsdp_env.setenv("ACCELERATE_USE_FSDP", "true")
+    fsdp_env.setenv("FSDP_VERSION", "2")
+    fsdp_env.setenv(name, value)
+    with pytest.raises(ConfigError, match=message):
+        sharding.launch_settings()
+
+
+def test_the_accelerator_is_created_without_accelerates_fsdp(fsdp_env):
+    fsdp_env.setenv("ACCELERATE_USE_FSDP", "true")
+    with sharding.accelerate_without_fsdp():
+        assert "ACCELERATE_USE_FSDP" not in os.environ
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"
+
+
+def test_a_wrap_class_the_model_lacks_is_named_with_the_valid_ones(tiny_policy):
+    from vlm_grpo_ma.policy import CompletionScorer
+
+    scorer = CompletionScorer(tiny_policy, share_prefixes=True)
+    with pytest.raises(ConfigError, match=r"Qwen3VLTextDecoderLayer is not a module class.*Qwen2_5_VLDecoderLayer"):
+        sharding.shard(scorer, sharding.FSDPSettings(("Qwen3VLTextDecoderLayer",)), torch.device("cpu"))
+
+
+def test_gathered_is_a_no_op_on_an_unsharded_module(tiny_policy):
+    with sharding.gathered(tiny_policy.model):
+        pass
+    assert not sharding.is_sharded(tiny_policy.model)
+
+
+def _parts(model_dir, *flags):
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "fsdp_parts.py"), str(model_dir), *flags],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags", [(), ("--lora",), ("--gradient-checkpointing",)], ids=["full", "lora", "gradient-checkpointing"]
+)
+def test_sharded_model_samples_scores_and_backpropagates_like_the_unsharded_one(untrained_tiny_dir, flags):
+    found = _parts(untrained_tiny_dir, *flags)
+    for rank in found["ranks"]:
+        assert rank["sampled_same_tokens"]  # same seed, same tokens
+        assert rank["sampling_logprob_difference"] <= 1e-5
+        forwards = [f for f in ("shared", "reencode") if f"{f}_logprob_difference" in rank]
+        assert forwards == (["reencode"] if "--gradient-checkpointing" in flags else ["shared", "reencode"])
+        for forward in forwards:
+            assert rank[f"{forward}_logprob_difference"] <= 1e-5
+            assert rank[f"{forward}_grad_max"] > 1e-2  # the gradients compared are not all zero
+            assert rank[f"{forward}_grad_difference"] <= 1e-5 * rank[f"{forward}_grad_max"]
+            sharded_norm, unsharded_norm = rank[f"{forward}_grad_norm"]
+            assert sharded_norm == pytest.approx(unsharded_norm, rel=1e-5)
+    for rank, memory in enumerate(found["memory"]):  # parameters: half each (the model is evenly divisible)
+        assert memory[f"memory/rank{rank}_parameter_bytes"] < 0.55 * 4 * sum(p.numel() for p in _tiny_parameters(untrained_tiny_dir))
+
+
+def _tiny_parameters(model_dir):
+    from vlm_grpo_ma.policy import load_policy
+
+    return list(load_policy(str(model_dir), attn_implementation="sdpa").model.parameters())
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp_trains_what_one_process_trains(untrained_tiny_dir, tmp_path):
+    """Two FSDP processes and one process, AdamW, LoRA: the saved adapters agree, and the adapter folder loads."""
+    from safetensors.torch import load_file
+
+    from vlm_grpo_ma.policy import load_policy
+
+    overrides = [
+        f"model.name_or_path={untrained_tiny_dir}", "model.lora_rank=4", "train.steps=2", "train.learning_rate=0.01",
+        "train.prompts_per_step=4", "train.micro_batch_rows=4", "train.num_threads=1", "rollout.num_thoughts=2",
+        "rollout.num_answers=2", "rollout.max_thought_tokens=8", "rollout.max_answer_tokens=6", "train.eval_every=0",
+        "logging.progress_bar=false", "logging.tensorboard=false", "train.max_grad_norm=1e6", "data.task=answer_length",
+        f"data.task_modules=[{ROOT / 'tests' / 'fixtures' / 'answer_length_task.py'}]",
+    ]  # fmt: skip
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/cpu-2proc-fsdp.yaml")]
+    for name, prefix in (("one", [sys.executable]), ("two", launcher)):
+        done = subprocess.run(
+            [*prefix, "-m", "vlm_grpo_ma.train", "--output-dir", str(tmp_path / name), *overrides],
+            capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+    adapters = [load_file(tmp_path / name / "checkpoints" / "step-000002" / "model" / "adapter_model.safetensors") for name in ("one", "two")]
+    assert sorted(adapters[0]) == sorted(adapters[1])
+    moved = max(float(adapters[0][k].abs().max()) for k in adapters[0] if "lora_B" in k)  # B starts at 0
+    assert moved > 1e-3
+    assert max(float((adapters[0][k] - adapters[1][k]).abs().max()) for k in adapters[0]) <= 1e-5
+    assert load_policy(str(tmp_path / "two" / "checkpoints" / "step-000002" / "model")).adapter is not None
