@@ -31,3 +31,27 @@ def tiny_policy(untrained_tiny_dir):
     policy = load_policy(str(untrained_tiny_dir), attn_implementation="sdpa")
     policy.model.eval()
     return policy
+
+
+# A few steps of the tiny model as the end-to-end tests run them: 2 prompts x 2 thoughts x 2 answers, short
+# texts, micro-batches of 3 rows (so a prompt's tree is split), no evaluation, no progress bar or TensorBoard.
+TINY_RUN = (
+    "train.prompts_per_step=2",
+    "train.micro_batch_rows=3",
+    "rollout.num_thoughts=2",
+    "rollout.num_answers=2",
+    "rollout.max_thought_tokens=8",
+    "rollout.max_answer_tokens=6",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+    "train.eval_every=0",
+)
+
+
+def tiny_run_config(model_dir, out_dir, *extra, steps: int = 4):
+    """The config of a tiny end-to-end run of ``steps`` steps in ``out_dir`` (``extra``: more overrides)."""
+    from vlm_grpo_ma.config import load_config
+
+    return load_config(
+        None, [f"model.name_or_path={model_dir}", f"train.output_dir={out_dir}", f"train.steps={steps}", *TINY_RUN, *extra]
+    )

@@ -41,6 +41,8 @@ def test_time_and_tokens_to_reach_the_reference_level_hand_computed(tmp_path):
     assert reference.to_reach(0.5) == (15, 30.0, 1500.0)
     assert reference.to_reach(1.01)[0] is None
     assert grpo_ma.to_reach(0.5) == (10, 10.0, 600.0)  # never before a full window
+    assert reference.smoothed_reward()[-1] == pytest.approx(1.0)  # the report's target: where T16A1 ends
+    assert reference.to_reach(1.0) == (20, 40.0, 2000.0)
     assert grpo_ma.rollout_seconds() == pytest.approx(0.5) and grpo_ma.update_seconds() == pytest.approx(0.5)
     assert grpo_ma.noise_var() == pytest.approx(0.01) and math.isnan(reference.noise_var())
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_RUN, tiny_run_config
 from safetensors.torch import load_file
 
 from tasks import grounding
@@ -27,30 +28,10 @@ from vlm_grpo_ma.survive import NonFiniteError
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTH_TASK = str(ROOT / "tests" / "fixtures" / "answer_length_task.py")
-TINY_RUN = [
-    "train.prompts_per_step=2",
-    "train.micro_batch_rows=3",
-    "rollout.num_thoughts=2",
-    "rollout.num_answers=2",
-    "rollout.max_thought_tokens=8",
-    "rollout.max_answer_tokens=6",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-    "train.eval_every=0",
-]
 
 
 def _cfg(model_dir, out_dir, *extra):
-    return train_module.load_config(
-        None,
-        [
-            f"model.name_or_path={model_dir}",
-            f"train.output_dir={out_dir}",
-            "train.steps=4",
-            *TINY_RUN,
-            *extra,
-        ],
-    )
+    return tiny_run_config(model_dir, out_dir, *extra)
 
 
 def _records(path):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_run_config
 from safetensors.torch import load_file
 
 from vlm_grpo_ma import train as train_module
@@ -16,24 +17,7 @@ LENGTH_TASK = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")
 
 
 def _cfg(model_dir, out_dir, *extra):
-    return load_config(
-        None,
-        [
-            f"model.name_or_path={model_dir}",
-            f"train.output_dir={out_dir}",
-            "train.steps=4",
-            "train.prompts_per_step=2",
-            "train.micro_batch_rows=3",
-            "rollout.num_thoughts=2",
-            "rollout.num_answers=2",
-            "rollout.max_thought_tokens=8",
-            "rollout.max_answer_tokens=6",
-            "logging.progress_bar=false",
-            "logging.tensorboard=false",
-            "train.eval_every=0",
-            *extra,
-        ],
-    )
+    return tiny_run_config(model_dir, out_dir, *extra)
 
 
 def _weights(checkpoint):
