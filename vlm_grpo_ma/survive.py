@@ -49,29 +49,27 @@ def _is_finite(value) -> bool:
     return math.isfinite(value)
 
 
-def check_step_finite(
-    step: int, model: torch.nn.Module | None, rewards, advantages, update: dict, learning_rate
-) -> None:
-    """Raise NonFiniteError naming the first non-finite quantity of training step ``step``, in this order: the
-    rewards (totals; a NaN part is "not applicable"), the thought and answer advantages, the update's
-    ``train/loss`` and ``train/grad_norm`` (diagnostics such as ``train/logprob_mismatch_max`` do not move the
-    weights and are not checked), the learning rate, then the trainable weights by name.
-    Called with ``model=None`` before the update (rewards, advantages, learning rate), and with the model after
-    the optimiser step and before the step counts as completed, so the crash path keeps the last checkpoint as
-    it is: a checkpoint never holds non-finite weights."""
+def check_inputs_finite(step: int, rewards, advantages, learning_rate) -> None:
+    """Before the update of training step ``step``: raise NonFiniteError naming the first non-finite one of
+    the rewards (totals; a NaN part is "not applicable"), the thought and answer advantages and the learning
+    rate. The update itself checks its loss and gradient norm (``check_update_finite``), and the weights are
+    checked after it (``check_weights_finite``)."""
     thought_adv, answer_adv = advantages
     quantities = {
         "reward": rewards,
         "advantage/thought": thought_adv,
         "advantage/answer": answer_adv,
-        **{key: update[key] for key in ("train/loss", "train/grad_norm") if key in update},
         "train/learning_rate": learning_rate,
     }
     for name, value in quantities.items():
         if not _is_finite(value):
             raise NonFiniteError(_message(step, name, value))
-    if model is None:  # before the update: its inputs only
-        return
+
+
+def check_weights_finite(step: int, model: torch.nn.Module) -> None:
+    """After the optimiser step of training step ``step`` and before the step counts as completed: raise
+    NonFiniteError naming the first trainable weight that is not finite, so the crash path keeps the last
+    checkpoint as it is and a checkpoint never holds non-finite weights."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if trainable and not bool(torch.stack([torch.isfinite(p).all() for _, p in trainable]).all()):
         name = next(name for name, p in trainable if not bool(torch.isfinite(p).all()))

@@ -683,11 +683,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts=cfg.rollout.truncated_thoughts)
             policy.model.train()
             learning_rate = scheduler.get_last_lr()[0]  # the rate this step's update uses
-            survive.check_step_finite(step + 1, None, scored.rewards, (thought_adv, answer_adv), {}, learning_rate)
+            survive.check_inputs_finite(step + 1, scored.rewards, (thought_adv, answer_adv), learning_rate)
             update = update_policy(scorer, batch, prompts, cfg, accelerator, optimizer, reference, guard)
-            survive.check_step_finite(  # NaN/inf stops the run here, before anything is checkpointed
-                step + 1, policy.model, scored.rewards, (thought_adv, answer_adv), update, learning_rate
-            )
+            survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
             scheduler.step()
             step += 1
             guard.weights_changed = False
