@@ -355,6 +355,12 @@ def _pyplot():
     return plt
 
 
+def _save(figure, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    _pyplot().close(figure)
+
+
 def plot_curves(summaries: list[SettingSummary], path: Path, kind: str, ylabel: str) -> bool:
     """Three panels (against steps, wall time, generated tokens); a line per setting (seed mean) and a band
     from the lowest to the highest seed."""
@@ -386,10 +392,10 @@ def plot_curves(summaries: list[SettingSummary], path: Path, kind: str, ylabel: 
         axis.set_ylabel(ylabel)
         axis.grid(alpha=0.3)
     axes[0].legend()
-    figure.tight_layout()
     if drawn:
-        figure.savefig(path, dpi=90)
-    plt.close(figure)
+        _save(figure, path)
+    else:
+        plt.close(figure)
     return drawn
 
 
@@ -428,9 +434,7 @@ def plot_noise(summaries: list[SettingSummary], path: Path) -> bool:
     axis.set_ylabel("variance of a thought's mean reward")
     axis.grid(alpha=0.3, which="both")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    _save(figure, path)
     return True
 
 
@@ -444,9 +448,7 @@ def plot_step_time(summaries: list[SettingSummary], path: Path) -> bool:
     axis.bar(names, update, bottom=sampling, label="update (scoring, loss, backward, step)")
     axis.set_ylabel("seconds per step (mean over steps and seeds)")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    _save(figure, path)
     return True
 
 
@@ -458,9 +460,7 @@ def plot_spikes(summaries: list[SettingSummary], path: Path) -> bool:
     figure, axis = plt.subplots(figsize=(5.5, 4))
     axis.bar([s.setting.name for s in summaries], [0.0 if math.isnan(v) else v for v in scores])
     axis.set_ylabel("spike score (share of steps > 2x running median)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    _save(figure, path)
     return True
 
 
