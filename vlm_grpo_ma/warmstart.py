@@ -185,17 +185,26 @@ def vision_step(policy: Policy, heads: TokenHeads, scenes: list[Scene]) -> torch
 # Phase 2: the decoder
 
 
-def target_text(policy: Policy, sample: Sample, input_size, original_size) -> str:
-    box = from_original_pixels(sample.answer, policy.frame, input_size, original_size)
+def loosened(box, margin: float, width: int, height: int) -> list[float]:
+    """``box`` grown by ``margin`` pixels on every side and clipped to the image: a loose annotation."""
+    x1, y1, x2, y2 = box
+    return [max(0.0, x1 - margin), max(0.0, y1 - margin), min(float(width), x2 + margin), min(float(height), y2 + margin)]
+
+
+def target_text(policy: Policy, sample: Sample, input_size, original_size, box_margin: float = 0.0) -> str:
+    label = loosened(sample.answer, box_margin, sample.meta["width"], sample.meta["height"]) if box_margin else sample.answer
+    box = from_original_pixels(label, policy.frame, input_size, original_size)
     coords = ",".join(str(round(v)) for v in box)
     return f"<think>{sample.meta['reference_thought']}</think><answer>[{coords}]</answer>"
 
 
-def supervised_step(policy: Policy, samples: list[Sample], instruction: str) -> torch.Tensor:
+def supervised_step(policy: Policy, samples: list[Sample], instruction: str, box_margin: float = 0.0) -> torch.Tensor:
     prompts = [encode_prompt(policy, s, instruction) for s in samples]
     eos = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
     targets = [
-        policy.tokenizer.encode(target_text(policy, s, p.input_sizes[0], p.original_sizes[0]), add_special_tokens=False)
+        policy.tokenizer.encode(
+            target_text(policy, s, p.input_sizes[0], p.original_sizes[0], box_margin), add_special_tokens=False
+        )
         + [eos]
         for s, p in zip(samples, prompts, strict=True)
     ]
@@ -257,6 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-scenes", type=int, default=100)
     parser.add_argument("--snapshot", type=Path, help="also save the model here at every held-out report")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--box-margin", type=float, default=0.0, help="loose labels: grow every target box by this many pixels a side")
     parser.add_argument("--init", type=Path, help="start from this model folder instead of a fresh random model")
     args = parser.parse_args(argv)
 
@@ -290,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
         decoder_parameters,
         args.decoder_steps,
         args.decoder_learning_rate,
-        lambda: supervised_step(policy, [scene.sample for scene in stream.take(args.batch_size)], task.instruction),
+        lambda: supervised_step(
+            policy, [scene.sample for scene in stream.take(args.batch_size)], task.instruction, args.box_margin
+        ),
         label="decoder",
         report=lambda: held_out_report(policy, held_out, snapshot=args.snapshot),
         report_every=args.eval_every,
