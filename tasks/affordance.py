@@ -53,20 +53,26 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from tasks._common import (
+from vlm_grpo_ma.task_api import (
     PREDICTION_COLOUR,
     TRUTH_COLOUR,
+    Completion,
+    ImageLoadError,
+    Sample,
+    Task,
     draw_marks,
     extract_tag,
     has_think_answer_format,
+    header_size,
     jsonl_rows,
     order_corners,
     parse_box,
     parse_points,
+    register_task,
     require_keys,
+    skip_row,
+    weighted_reward,
 )
-from vlm_grpo_ma.images import ImageLoadError, header_size
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 log = logging.getLogger(__name__)
 

@@ -68,9 +68,17 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks._common import extract_tag, has_think_answer_format, jsonl_rows
 from tasks._sandbox import Limits, RunResult, Step, run_tests
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
+from vlm_grpo_ma.task_api import (
+    Completion,
+    Sample,
+    Task,
+    extract_tag,
+    has_think_answer_format,
+    jsonl_rows,
+    register_task,
+    weighted_reward,
+)
 
 log = logging.getLogger(__name__)
 

@@ -25,22 +25,29 @@ from typing import Any
 
 from PIL import Image
 
-from tasks._common import (
+from vlm_grpo_ma.task_api import (
     PREDICTION_COLOUR,
     TRUTH_COLOUR,
+    Completion,
+    ImageLoadError,
+    Sample,
+    Task,
     checked_source_file,
     clip_box,
     draw_marks,
     extract_tag,
     has_think_answer_format,
+    header_size,
     iou,
     jsonl_rows,
+    open_lazily,
     order_corners,
     parse_box,
+    register_task,
     require_keys,
+    skip_row,
+    weighted_reward,
 )
-from vlm_grpo_ma.images import ImageLoadError, header_size, open_lazily
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "grounding"
 

@@ -39,7 +39,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tasks._common import (
+from vlm_grpo_ma.task_api import (
+    Completion,
+    ImageLoadError,
+    Sample,
+    Task,
     checked_source_file,
     detect_schema,
     extract_tag,
@@ -47,10 +51,11 @@ from tasks._common import (
     image_from_cell,
     normalise_answer,
     read_rows,
+    register_task,
     require_keys,
+    skip_row,
+    weighted_reward,
 )
-from vlm_grpo_ma.images import ImageLoadError
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "vqa"
 

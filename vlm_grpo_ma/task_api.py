@@ -1,9 +1,34 @@
-"""Pure parsers and geometry shared by every task family.
+"""The public API for task authors: everything a task file needs, and nothing here starts with an underscore.
 
-Every function here is total on model output: malformed text gives ``None`` (or ``0.0`` for ``iou``),
-never an exception, so a reward can call them without a try/except. Boxes are ``[x1, y1, x2, y2]``
-(top-left, bottom-right); points are ``(x, y)``. Nothing here knows about coordinate frames: rewards
-convert with ``Completion.to_original_pixels`` (the one conversion) and then use these helpers.
+A task is one module that builds a ``Task`` and registers it when imported::
+
+    from vlm_grpo_ma.task_api import Completion, Sample, Task, extract_tag, has_think_answer_format, register_task
+
+    def load(split="train", source=None) -> list[Sample]: ...
+    def reward(completion: Completion, sample: Sample) -> dict[str, float]: ...   # {"reward": r, part: value}
+
+    TASK = register_task(Task(name="mytask", load=load, reward=reward, instruction="Think in <think>..."))
+
+The core finds task modules through the ``vlm_grpo_ma.tasks`` entry point group (``name = "package.module"``
+in the ``[project.entry-points."vlm_grpo_ma.tasks"]`` table of a package's pyproject.toml), or by the module
+names and ``.py`` paths a config lists in ``data.task_modules``. docs/TASKS.md walks through an example.
+
+What is here:
+  types         ``Sample``, ``Completion``, ``Task``, ``CoordinateFrame``;
+  registration  ``register_task`` (duplicate names raise, naming both sources), ``get_task``, ``list_tasks``;
+  rewards       ``weighted_reward``; the parsers ``extract_tag``, ``has_think_answer_format`` (the format check),
+                ``parse_numbers``, ``parse_box``, ``parse_points``, ``normalise_answer``; the geometry
+                ``order_corners``, ``clip_box``, ``iou``;
+  loaders       ``checked_source_file``, ``require_keys``, ``jsonl_rows``, ``read_rows``, ``detect_schema``,
+                ``image_from_cell``, ``embedded_split_file``, ``skip_row`` (drop a row with an unreadable image,
+                counted), ``ImageLoadError``, ``header_size``, ``open_lazily``;
+  evaluation    ``draw_marks`` with ``PREDICTION_COLOUR`` and ``TRUTH_COLOUR`` (for ``Task.draw``).
+
+Every parser is total on model output: malformed text gives ``None`` (or ``0.0`` for ``iou``), never an
+exception, so a reward can call them without a try/except. Boxes are ``[x1, y1, x2, y2]`` (top-left,
+bottom-right); points are ``(x, y)``. The parsers know nothing about coordinate frames: rewards convert with
+``Completion.to_original_pixels`` (the one conversion) and then use these helpers. Every parser runs in linear
+time on any input (``tests/test_common.py`` times adversarial ones).
 """
 
 from __future__ import annotations
@@ -15,6 +40,58 @@ import string
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from vlm_grpo_ma.coords import CoordinateFrame
+from vlm_grpo_ma.images import ImageLoadError, header_size, open_lazily
+from vlm_grpo_ma.registry import (
+    Completion,
+    Sample,
+    Task,
+    get_task,
+    list_tasks,
+    register_task,
+    skip_row,
+    weighted_reward,
+)
+
+__all__ = [
+    # types
+    "Sample",
+    "Completion",
+    "Task",
+    "CoordinateFrame",
+    # registration
+    "register_task",
+    "get_task",
+    "list_tasks",
+    # rewards
+    "weighted_reward",
+    "extract_tag",
+    "has_think_answer_format",
+    "parse_numbers",
+    "parse_box",
+    "parse_points",
+    "normalise_answer",
+    "order_corners",
+    "clip_box",
+    "iou",
+    # loaders
+    "checked_source_file",
+    "embedded_split_file",
+    "require_keys",
+    "jsonl_rows",
+    "read_rows",
+    "detect_schema",
+    "image_from_cell",
+    "skip_row",
+    "ImageLoadError",
+    "header_size",
+    "open_lazily",
+    # evaluation
+    "draw_marks",
+    "PREDICTION_COLOUR",
+    "TRUTH_COLOUR",
+]
 
 # One number as a model writes it: optional sign, int or decimal, optional exponent, and the words
 # nan/inf/infinity, which come out non-finite so that callers reject them rather than guess.
@@ -371,8 +448,6 @@ def image_from_cell(cell: Any, root: Path, where: str) -> Any | None:
         return str((root / cell).resolve())
     if isinstance(cell, dict):
         if cell.get("bytes"):
-            from vlm_grpo_ma.images import open_lazily
-
             return open_lazily(cell["bytes"], where)  # ImageLoadError: the loader skips the row
         if cell.get("path"):
             return str((root / cell["path"]).resolve())
