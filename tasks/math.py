@@ -78,11 +78,11 @@ from typing import Any
 
 from vlm_grpo_ma.task_api import (
     Completion,
-    ImageLoadError,
     Sample,
     Task,
     checked_source_file,
     detect_schema,
+    embedded_split_file,
     extract_tag,
     has_think_answer_format,
     image_from_cell,
@@ -90,7 +90,7 @@ from vlm_grpo_ma.task_api import (
     read_rows,
     register_task,
     require_keys,
-    skip_row,
+    rows_to_samples,
     weighted_reward,
 )
 
@@ -540,11 +540,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
     "precision": int | None, and schema-specific fields ("reference_thought", "answer_type", "unit", ...)}.
     """
     if source is None:
-        if split not in EMBEDDED_SPLITS:
-            raise ValueError(f"unknown math split {split!r}; embedded splits: {', '.join(EMBEDDED_SPLITS)}")
-        path = DATA_DIR / f"{split}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"embedded math split missing: {path}; run `python data/make_math.py`")
+        path = embedded_split_file(NAME, split, EMBEDDED_SPLITS, DATA_DIR, "python data/make_math.py")
     else:
         path = checked_source_file(source, NAME, SOURCE_SUFFIXES)
     rows = read_rows(path)
@@ -556,15 +552,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
         "gsm8k": _gsm8k_sample,
     }[schema]
     root = Path(image_root) if image_root is not None else path.parent
-    samples = []
-    for index, (key, where, row) in enumerate(rows):
-        try:
-            sample = loader(row, key if key is not None else f"{path.stem}_{index}", root, where)
-        except ImageLoadError as error:  # unreadable image bytes: skipped and counted, not fatal
-            skip_row("broken_images", where, error)
-            continue
-        if sample is not None:
-            samples.append(sample)
+    samples = rows_to_samples(rows, lambda row, sample_id, where: loader(row, sample_id, root, where), path)
     if not samples and schema == "mathvista":
         raise ValueError(
             f"{path}: no MathVista rows with question_type 'free_form'; multi_choice rows belong to the vqa task"

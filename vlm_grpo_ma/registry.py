@@ -112,12 +112,16 @@ ENTRY_POINT_GROUP = "vlm_grpo_ma.tasks"
 _loading_entry_point: str | None = None  # the entry point being loaded, named as the source of its tasks
 
 
+class DuplicateTaskError(ValueError):
+    """Two tasks of one name."""
+
+
 def register_task(task: Task) -> Task:
     """Add ``task`` to the registry and return it. A second task of the same name raises ValueError naming
     where each came from (an entry point, or the module that defines the task's reward)."""
     source = _loading_entry_point or f"module {getattr(task.reward, '__module__', None) or '(unknown)'}"
     if task.name in _TASKS:
-        raise ValueError(
+        raise DuplicateTaskError(
             f"task {task.name!r} from {source} is already registered by {_SOURCES[task.name]}; "
             "task names must be unique"
         )
@@ -149,8 +153,8 @@ def load_builtin_tasks() -> None:
     An entry point ``name = "package.module"`` names a module that registers the task ``name`` when imported;
     ``name = "package.module:TASK"`` may instead name a ``Task`` object, which is registered here. Raises
     RuntimeError when the group is empty (the package's metadata is not installed), when an entry point fails
-    to load (naming it and the cause), or when it registers no task of its name; ValueError on a duplicate
-    task name (naming both sources).
+    to load (naming it and the cause), or when it registers no task of its name; DuplicateTaskError (a
+    ValueError) on a duplicate task name, naming both sources.
     """
     global _builtins_loaded, _loading_entry_point
     if _builtins_loaded:
@@ -168,6 +172,8 @@ def load_builtin_tasks() -> None:
         _loading_entry_point = described
         try:
             loaded = entry_point.load()
+        except DuplicateTaskError:
+            raise  # it names both sources already
         except Exception as error:
             raise RuntimeError(f"{described} failed to load: {type(error).__name__}: {error}") from error
         finally:

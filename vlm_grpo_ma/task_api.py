@@ -19,7 +19,7 @@ What is here:
   rewards       ``weighted_reward``; the parsers ``extract_tag``, ``has_think_answer_format`` (the format check),
                 ``parse_numbers``, ``parse_box``, ``parse_points``, ``normalise_answer``; the geometry
                 ``order_corners``, ``clip_box``, ``iou``;
-  loaders       ``checked_source_file``, ``require_keys``, ``jsonl_rows``, ``read_rows``, ``detect_schema``,
+  loaders       ``checked_source_file``, ``require_keys``, ``jsonl_rows``, ``read_rows``, ``detect_schema``, ``rows_to_samples``,
                 ``image_from_cell``, ``embedded_split_file``, ``skip_row`` (drop a row with an unreadable image,
                 counted), ``ImageLoadError``, ``header_size``, ``open_lazily``;
   evaluation    ``draw_marks`` with ``PREDICTION_COLOUR`` and ``TRUTH_COLOUR`` (for ``Task.draw``).
@@ -37,7 +37,7 @@ import json
 import math
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,7 @@ __all__ = [
     "jsonl_rows",
     "read_rows",
     "detect_schema",
+    "rows_to_samples",
     "image_from_cell",
     "skip_row",
     "ImageLoadError",
@@ -415,18 +416,29 @@ def draw_marks(
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def checked_source_file(source: str, task: str, suffixes: Sequence[str]) -> Path:
+def checked_source_file(source: str, task: str, suffixes: Sequence[str], *, folders: bool = False) -> Path:
     """``source`` as a Path, after checking that its suffix is one the task reads (ValueError naming the
-    valid ones) and that the file exists (FileNotFoundError)."""
+    valid ones; ``folders=True``: the message says a folder is valid too, for a task that has checked for one
+    already) and that the file exists (FileNotFoundError)."""
     path = Path(source)
     suffix = path.suffix.lower()
     if suffix not in suffixes:
-        raise ValueError(
-            f"unknown {task} source format {suffix or '(no suffix)'!r} for {source!r}; "
-            f"valid suffixes: {', '.join(suffixes)}"
-        )
+        valid = f": a folder or a file ending in {', '.join(suffixes)}" if folders else f" suffixes: {', '.join(suffixes)}"
+        raise ValueError(f"unknown {task} source format {suffix or '(no suffix)'!r} for {source!r}; valid{valid}")
     if not path.is_file():
         raise FileNotFoundError(f"{task} source file not found: {path}")
+    return path
+
+
+def embedded_split_file(task: str, split: str, splits: Sequence[str], folder: Path, make: str) -> Path:
+    """``folder/{split}.jsonl``, a task's own data file for ``split``, after checking that ``split`` is one of
+    ``splits`` (ValueError naming them) and that the file exists (FileNotFoundError saying to run ``make``, the
+    command that generates it)."""
+    if split not in splits:
+        raise ValueError(f"unknown {task} split {split!r}; embedded splits: {', '.join(splits)}")
+    path = Path(folder) / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"embedded {task} split missing: {path}; run `{make}`")
     return path
 
 
@@ -505,6 +517,28 @@ def read_rows(path: Path) -> list[tuple[str | None, str, Any]]:
     if isinstance(data, dict) and data and all(isinstance(row, dict) for row in data.values()):
         return [(str(key), f"{path}: {key!r}", row) for key, row in data.items()]
     raise ValueError(f"{path}: a JSON file of rows is a list of rows or a dict of rows keyed by id, got {type(data).__name__}")
+
+
+def rows_to_samples(
+    rows: Sequence[tuple[str | None, str, Any]], make_sample: Callable[[dict, str, str], Sample | None], path: Path
+) -> list[Sample]:
+    """``make_sample(row, sample_id, where)`` for every ``(key, where, row)`` of ``read_rows(path)``, in order.
+
+    The sample id is the row's key, or ``{file stem}_{index}``. A row that is not a JSON object is a ValueError
+    naming it; a row whose image cannot be decoded (``ImageLoadError``) is skipped and counted (``skip_row``); a
+    ``None`` from ``make_sample`` (a row the task does not use) is dropped."""
+    samples = []
+    for index, (key, where, row) in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        try:
+            sample = make_sample(row, key if key is not None else f"{Path(path).stem}_{index}", where)
+        except ImageLoadError as error:  # unreadable image bytes: skipped and counted, not fatal
+            skip_row("broken_images", where, error)
+            continue
+        if sample is not None:
+            samples.append(sample)
+    return samples
 
 
 def detect_schema(rows: Sequence[tuple[str | None, str, Any]], path: Path, schemas: dict[str, Sequence[str]], task: str) -> str:
