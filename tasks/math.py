@@ -76,18 +76,23 @@ from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from typing import Any
 
-from tasks._common import (
+from vlm_grpo_ma.task_api import (
+    Completion,
+    Sample,
+    Task,
     checked_source_file,
     detect_schema,
+    embedded_split_file,
     extract_tag,
     has_think_answer_format,
     image_from_cell,
     normalise_answer,
     read_rows,
+    register_task,
     require_keys,
+    rows_to_samples,
+    weighted_reward,
 )
-from vlm_grpo_ma.images import ImageLoadError
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "math"
 
@@ -535,11 +540,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
     "precision": int | None, and schema-specific fields ("reference_thought", "answer_type", "unit", ...)}.
     """
     if source is None:
-        if split not in EMBEDDED_SPLITS:
-            raise ValueError(f"unknown math split {split!r}; embedded splits: {', '.join(EMBEDDED_SPLITS)}")
-        path = DATA_DIR / f"{split}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"embedded math split missing: {path}; run `python data/make_math.py`")
+        path = embedded_split_file(NAME, split, EMBEDDED_SPLITS, DATA_DIR, "python data/make_math.py")
     else:
         path = checked_source_file(source, NAME, SOURCE_SUFFIXES)
     rows = read_rows(path)
@@ -551,15 +552,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
         "gsm8k": _gsm8k_sample,
     }[schema]
     root = Path(image_root) if image_root is not None else path.parent
-    samples = []
-    for index, (key, where, row) in enumerate(rows):
-        try:
-            sample = loader(row, key if key is not None else f"{path.stem}_{index}", root, where)
-        except ImageLoadError as error:  # unreadable image bytes: skipped and counted, not fatal
-            skip_row("broken_images", where, error)
-            continue
-        if sample is not None:
-            samples.append(sample)
+    samples = rows_to_samples(rows, lambda row, sample_id, where: loader(row, sample_id, root, where), path)
     if not samples and schema == "mathvista":
         raise ValueError(
             f"{path}: no MathVista rows with question_type 'free_form'; multi_choice rows belong to the vqa task"

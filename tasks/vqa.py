@@ -39,7 +39,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tasks._common import (
+from vlm_grpo_ma.task_api import (
+    Completion,
+    Sample,
+    Task,
     checked_source_file,
     detect_schema,
     extract_tag,
@@ -47,10 +50,11 @@ from tasks._common import (
     image_from_cell,
     normalise_answer,
     read_rows,
+    register_task,
     require_keys,
+    rows_to_samples,
+    weighted_reward,
 )
-from vlm_grpo_ma.images import ImageLoadError
-from vlm_grpo_ma.registry import Completion, Sample, Task, register_task, skip_row, weighted_reward
 
 NAME = "vqa"
 
@@ -288,17 +292,7 @@ def load(split: str = "train", source: str | None = None, *, image_root: str | N
     root = Path(image_root) if image_root is not None else path.parent
     if schema == "scienceqa" and keyed and image_root is None:
         root = path.parent / "images"
-    samples = []
-    for index, (key, where, row) in enumerate(rows):
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-        try:
-            sample = loader(row, key if key is not None else f"{path.stem}_{index}", root, where, keyed)
-        except ImageLoadError as error:  # unreadable image bytes: skipped and counted, not fatal
-            skip_row("broken_images", where, error)
-            continue
-        if sample is not None:
-            samples.append(sample)
+    samples = rows_to_samples(rows, lambda row, sample_id, where: loader(row, sample_id, root, where, keyed), path)
     if not samples and schema == "mathvista":
         raise ValueError(
             f"{path}: no MathVista rows with question_type 'multi_choice'; free-form rows belong to the math task"

@@ -1,4 +1,4 @@
-"""Table tests for the shared parsers in tasks/_common.py: well-formed and malformed model output."""
+"""Table tests for the shared parsers in vlm_grpo_ma/task_api.py: well-formed and malformed model output."""
 
 import math
 import select
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks._common import (
+from vlm_grpo_ma.task_api import (
     clip_box,
     extract_tag,
     has_think_answer_format,
@@ -254,7 +254,7 @@ ADVERSARIAL = {
 
 _RUNNER = """
 import sys, time
-from tasks._common import parse_box, parse_points, parse_numbers, has_think_answer_format, normalise_answer
+from vlm_grpo_ma.task_api import parse_box, parse_points, parse_numbers, has_think_answer_format, normalise_answer
 from tasks.code import extract_program
 from tasks.math import plain_number, single_number, is_equivalent, safe_for_math_verify
 from tasks.vqa import as_number, chosen_options

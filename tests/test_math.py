@@ -408,7 +408,7 @@ def test_safe_for_math_verify(text, safe):
 def test_the_module_name_does_not_shadow_the_standard_library():
     import math as stdlib_math
 
-    import tasks._common as common
+    import vlm_grpo_ma.task_api as common
 
     assert math_task.__name__ == "tasks.math"
     assert sys.modules["math"] is stdlib_math and stdlib_math.sqrt(16.0) == 4.0

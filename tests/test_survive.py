@@ -18,7 +18,7 @@ from conftest import TINY_RUN, tiny_run_config
 from safetensors.torch import load_file
 
 from tasks import grounding
-from tasks._common import read_rows
+from vlm_grpo_ma.task_api import read_rows
 from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
 from vlm_grpo_ma.data import PromptStream, TaskMixture
@@ -148,7 +148,7 @@ def test_unreadable_images_are_skipped_and_counted_at_load_and_mid_run_and_resum
 
 def test_other_loaders_skip_and_count_an_unreadable_image_but_name_a_missing_one(tmp_path):
     from tasks import affordance
-    from tasks._common import image_from_cell
+    from vlm_grpo_ma.task_api import image_from_cell
 
     bomb = _bomb_png(tmp_path / "huge.png")
     scene = ROOT / "tests" / "fixtures" / "affordance" / "project" / "images" / "scene.png"

@@ -1,17 +1,20 @@
 """Samples, completions, tasks, and the task registry.
 
-A task is one file under ``tasks/`` (or any importable module) that calls ``register_task(Task(...))``.
-The core never imports a specific task: ``load_builtin_tasks()`` imports every module of the ``tasks``
-package, and ``import_task_modules()`` imports the extra modules a config names.
+A task is one module that calls ``register_task(Task(...))`` when imported; task authors import what they
+need from ``vlm_grpo_ma.task_api`` (the public API; this module is its implementation). The core never imports
+a task by name: ``load_builtin_tasks()`` loads every entry point of the group ``vlm_grpo_ma.tasks`` (the
+built-in tasks are this project's own entry points in pyproject.toml; an installed third-party package adds
+its tasks the same way), and ``import_task_modules()`` imports the extra modules and ``.py`` files a config
+names (``data.task_modules``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
-import pkgutil
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -100,12 +103,30 @@ def weighted_reward(parts: dict[str, float], weights: dict[str, float]) -> float
 
 
 _TASKS: dict[str, Task] = {}
+_SOURCES: dict[str, str] = {}  # task name -> where it was registered from, for the duplicate-name error
+
+# The entry point group the core loads tasks from. The built-in tasks are entries of this project's own
+# pyproject.toml; `pip install -e .` (scripts/setup.sh) writes them into the installed metadata.
+ENTRY_POINT_GROUP = "vlm_grpo_ma.tasks"
+
+_loading_entry_point: str | None = None  # the entry point being loaded, named as the source of its tasks
+
+
+class DuplicateTaskError(ValueError):
+    """Two tasks of one name."""
 
 
 def register_task(task: Task) -> Task:
+    """Add ``task`` to the registry and return it. A second task of the same name raises ValueError naming
+    where each came from (an entry point, or the module that defines the task's reward)."""
+    source = _loading_entry_point or f"module {getattr(task.reward, '__module__', None) or '(unknown)'}"
     if task.name in _TASKS:
-        raise ValueError(f"task {task.name!r} is already registered; task names must be unique")
+        raise DuplicateTaskError(
+            f"task {task.name!r} from {source} is already registered by {_SOURCES[task.name]}; "
+            "task names must be unique"
+        )
     _TASKS[task.name] = task
+    _SOURCES[task.name] = source
     return task
 
 
@@ -126,16 +147,50 @@ _builtins_loaded = False
 
 
 def load_builtin_tasks() -> None:
-    """Import every module of the ``tasks`` package once (each registers itself)."""
-    global _builtins_loaded
+    """Load every entry point of the ``vlm_grpo_ma.tasks`` group once (built-in and installed third-party
+    tasks).
+
+    An entry point ``name = "package.module"`` names a module that registers the task ``name`` when imported;
+    ``name = "package.module:TASK"`` may instead name a ``Task`` object, which is registered here. Raises
+    RuntimeError when the group is empty (the package's metadata is not installed), when an entry point fails
+    to load (naming it and the cause), or when it registers no task of its name; DuplicateTaskError (a
+    ValueError) on a duplicate task name, naming both sources.
+    """
+    global _builtins_loaded, _loading_entry_point
     if _builtins_loaded:
         return
+    entry_points = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+    if not entry_points:
+        raise RuntimeError(
+            f"no tasks found: the entry point group {ENTRY_POINT_GROUP!r} is empty, so the vlm-grpo-ma package "
+            "metadata is not installed in this environment; run `pip install -e .` in the repository "
+            "(scripts/setup.sh does), and again after pyproject.toml's entry points change"
+        )
+    for entry_point in entry_points:
+        dist = entry_point.dist.name if entry_point.dist is not None else "an unknown distribution"
+        described = f"entry point {entry_point.name} = {entry_point.value!r} (group {ENTRY_POINT_GROUP}, {dist})"
+        _loading_entry_point = described
+        try:
+            loaded = entry_point.load()
+        except DuplicateTaskError:
+            raise  # it names both sources already
+        except Exception as error:
+            raise RuntimeError(f"{described} failed to load: {type(error).__name__}: {error}") from error
+        finally:
+            _loading_entry_point = None
+        if isinstance(loaded, Task) and _TASKS.get(loaded.name) is not loaded:
+            _loading_entry_point = described
+            try:
+                register_task(loaded)
+            finally:
+                _loading_entry_point = None
+        if entry_point.name not in _TASKS:
+            raise RuntimeError(
+                f"{described} loaded, but no task named {entry_point.name!r} is registered; the entry point's "
+                "name must be the name of the task its module registers "
+                f"(registered: {', '.join(sorted(_TASKS)) or 'none'})"
+            )
     _builtins_loaded = True
-    import tasks
-
-    for info in pkgutil.iter_modules(tasks.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"tasks.{info.name}")
 
 
 _IMPORTED_MODULES: list[str] = []

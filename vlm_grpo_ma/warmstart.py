@@ -68,10 +68,12 @@ class SceneStream:
     """Fresh generated grounding scenes, as Samples the grounding task scores, reproducible from ``seed``."""
 
     def __init__(self, seed: int):
-        from tasks.grounding import question_for
+        # The grounding task writes the question ("Locate: <expression>."); its module is reached through the
+        # registry, so the core imports no task by name.
+        grounding = sys.modules[get_task("grounding").reward.__module__]
 
         self._generator = load_scene_generator()
-        self._question_for = question_for
+        self._question_for = grounding.question_for
         self._rng = random.Random(seed)
         self._seed = seed
         self._count = 0

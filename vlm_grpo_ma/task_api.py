@@ -1,9 +1,34 @@
-"""Pure parsers and geometry shared by every task family.
+"""The public API for task authors: everything a task file needs, and nothing here starts with an underscore.
 
-Every function here is total on model output: malformed text gives ``None`` (or ``0.0`` for ``iou``),
-never an exception, so a reward can call them without a try/except. Boxes are ``[x1, y1, x2, y2]``
-(top-left, bottom-right); points are ``(x, y)``. Nothing here knows about coordinate frames: rewards
-convert with ``Completion.to_original_pixels`` (the one conversion) and then use these helpers.
+A task is one module that builds a ``Task`` and registers it when imported::
+
+    from vlm_grpo_ma.task_api import Completion, Sample, Task, extract_tag, has_think_answer_format, register_task
+
+    def load(split="train", source=None) -> list[Sample]: ...
+    def reward(completion: Completion, sample: Sample) -> dict[str, float]: ...   # {"reward": r, part: value}
+
+    TASK = register_task(Task(name="mytask", load=load, reward=reward, instruction="Think in <think>..."))
+
+The core finds task modules through the ``vlm_grpo_ma.tasks`` entry point group (``name = "package.module"``
+in the ``[project.entry-points."vlm_grpo_ma.tasks"]`` table of a package's pyproject.toml), or by the module
+names and ``.py`` paths a config lists in ``data.task_modules``. docs/TASKS.md walks through an example.
+
+What is here:
+  types         ``Sample``, ``Completion``, ``Task``, ``CoordinateFrame``;
+  registration  ``register_task`` (duplicate names raise, naming both sources), ``get_task``, ``list_tasks``;
+  rewards       ``weighted_reward``; the parsers ``extract_tag``, ``has_think_answer_format`` (the format check),
+                ``parse_numbers``, ``parse_box``, ``parse_points``, ``normalise_answer``; the geometry
+                ``order_corners``, ``clip_box``, ``iou``;
+  loaders       ``checked_source_file``, ``require_keys``, ``jsonl_rows``, ``read_rows``, ``detect_schema``, ``rows_to_samples``,
+                ``image_from_cell``, ``embedded_split_file``, ``skip_row`` (drop a row with an unreadable image,
+                counted), ``ImageLoadError``, ``header_size``, ``open_lazily``;
+  evaluation    ``draw_marks`` with ``PREDICTION_COLOUR`` and ``TRUTH_COLOUR`` (for ``Task.draw``).
+
+Every parser is total on model output: malformed text gives ``None`` (or ``0.0`` for ``iou``), never an
+exception, so a reward can call them without a try/except. Boxes are ``[x1, y1, x2, y2]`` (top-left,
+bottom-right); points are ``(x, y)``. The parsers know nothing about coordinate frames: rewards convert with
+``Completion.to_original_pixels`` (the one conversion) and then use these helpers. Every parser runs in linear
+time on any input (``tests/test_common.py`` times adversarial ones).
 """
 
 from __future__ import annotations
@@ -12,9 +37,62 @@ import json
 import math
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from vlm_grpo_ma.coords import CoordinateFrame
+from vlm_grpo_ma.images import ImageLoadError, header_size, open_lazily
+from vlm_grpo_ma.registry import (
+    Completion,
+    Sample,
+    Task,
+    get_task,
+    list_tasks,
+    register_task,
+    skip_row,
+    weighted_reward,
+)
+
+__all__ = [
+    # types
+    "Sample",
+    "Completion",
+    "Task",
+    "CoordinateFrame",
+    # registration
+    "register_task",
+    "get_task",
+    "list_tasks",
+    # rewards
+    "weighted_reward",
+    "extract_tag",
+    "has_think_answer_format",
+    "parse_numbers",
+    "parse_box",
+    "parse_points",
+    "normalise_answer",
+    "order_corners",
+    "clip_box",
+    "iou",
+    # loaders
+    "checked_source_file",
+    "embedded_split_file",
+    "require_keys",
+    "jsonl_rows",
+    "read_rows",
+    "detect_schema",
+    "rows_to_samples",
+    "image_from_cell",
+    "skip_row",
+    "ImageLoadError",
+    "header_size",
+    "open_lazily",
+    # evaluation
+    "draw_marks",
+    "PREDICTION_COLOUR",
+    "TRUTH_COLOUR",
+]
 
 # One number as a model writes it: optional sign, int or decimal, optional exponent, and the words
 # nan/inf/infinity, which come out non-finite so that callers reject them rather than guess.
@@ -338,18 +416,29 @@ def draw_marks(
 # ---------------------------------------------------------------------------------------------- loading
 
 
-def checked_source_file(source: str, task: str, suffixes: Sequence[str]) -> Path:
+def checked_source_file(source: str, task: str, suffixes: Sequence[str], *, folders: bool = False) -> Path:
     """``source`` as a Path, after checking that its suffix is one the task reads (ValueError naming the
-    valid ones) and that the file exists (FileNotFoundError)."""
+    valid ones; ``folders=True``: the message says a folder is valid too, for a task that has checked for one
+    already) and that the file exists (FileNotFoundError)."""
     path = Path(source)
     suffix = path.suffix.lower()
     if suffix not in suffixes:
-        raise ValueError(
-            f"unknown {task} source format {suffix or '(no suffix)'!r} for {source!r}; "
-            f"valid suffixes: {', '.join(suffixes)}"
-        )
+        valid = f": a folder or a file ending in {', '.join(suffixes)}" if folders else f" suffixes: {', '.join(suffixes)}"
+        raise ValueError(f"unknown {task} source format {suffix or '(no suffix)'!r} for {source!r}; valid{valid}")
     if not path.is_file():
         raise FileNotFoundError(f"{task} source file not found: {path}")
+    return path
+
+
+def embedded_split_file(task: str, split: str, splits: Sequence[str], folder: Path, make: str) -> Path:
+    """``folder/{split}.jsonl``, a task's own data file for ``split``, after checking that ``split`` is one of
+    ``splits`` (ValueError naming them) and that the file exists (FileNotFoundError saying to run ``make``, the
+    command that generates it)."""
+    if split not in splits:
+        raise ValueError(f"unknown {task} split {split!r}; embedded splits: {', '.join(splits)}")
+    path = Path(folder) / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"embedded {task} split missing: {path}; run `{make}`")
     return path
 
 
@@ -371,8 +460,6 @@ def image_from_cell(cell: Any, root: Path, where: str) -> Any | None:
         return str((root / cell).resolve())
     if isinstance(cell, dict):
         if cell.get("bytes"):
-            from vlm_grpo_ma.images import open_lazily
-
             return open_lazily(cell["bytes"], where)  # ImageLoadError: the loader skips the row
         if cell.get("path"):
             return str((root / cell["path"]).resolve())
@@ -430,6 +517,28 @@ def read_rows(path: Path) -> list[tuple[str | None, str, Any]]:
     if isinstance(data, dict) and data and all(isinstance(row, dict) for row in data.values()):
         return [(str(key), f"{path}: {key!r}", row) for key, row in data.items()]
     raise ValueError(f"{path}: a JSON file of rows is a list of rows or a dict of rows keyed by id, got {type(data).__name__}")
+
+
+def rows_to_samples(
+    rows: Sequence[tuple[str | None, str, Any]], make_sample: Callable[[dict, str, str], Sample | None], path: Path
+) -> list[Sample]:
+    """``make_sample(row, sample_id, where)`` for every ``(key, where, row)`` of ``read_rows(path)``, in order.
+
+    The sample id is the row's key, or ``{file stem}_{index}``. A row that is not a JSON object is a ValueError
+    naming it; a row whose image cannot be decoded (``ImageLoadError``) is skipped and counted (``skip_row``); a
+    ``None`` from ``make_sample`` (a row the task does not use) is dropped."""
+    samples = []
+    for index, (key, where, row) in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        try:
+            sample = make_sample(row, key if key is not None else f"{Path(path).stem}_{index}", where)
+        except ImageLoadError as error:  # unreadable image bytes: skipped and counted, not fatal
+            skip_row("broken_images", where, error)
+            continue
+        if sample is not None:
+            samples.append(sample)
+    return samples
 
 
 def detect_schema(rows: Sequence[tuple[str | None, str, Any]], path: Path, schemas: dict[str, Sequence[str]], task: str) -> str:
