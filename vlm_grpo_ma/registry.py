@@ -164,7 +164,9 @@ def load_builtin_tasks() -> None:
         raise RuntimeError(
             f"no tasks found: the entry point group {ENTRY_POINT_GROUP!r} is empty, so the vlm-grpo-ma package "
             "metadata is not installed in this environment; run `pip install -e .` in the repository "
-            "(scripts/setup.sh does), and again after pyproject.toml's entry points change"
+            "(scripts/setup.sh does), and again after pyproject.toml's entry points change. A stale "
+            "vlm_grpo_ma.egg-info folder in the working directory (left by an older setuptools) hides the "
+            "installed metadata: delete it"
         )
     for entry_point in entry_points:
         dist = entry_point.dist.name if entry_point.dist is not None else "an unknown distribution"
