@@ -16,7 +16,8 @@ patch embedding and merger). The root is the scorer, not the model: the training
 (``shared_prefix_logprobs`` / ``sequence_logprobs``) runs entirely inside ``scorer.forward``, so the root's
 pre-forward hook gathers the root parameters for the direct calls into ``model.model`` and ``lm_head``,
 and each layer's own hooks gather that layer, as in any FSDP2 model. Gradients are reduce-scattered
-(averaged over processes, as DDP averages them) after each backward.
+(averaged over processes, as DDP averages them) in the backward of each step's last micro-batch only
+(``sync_gradients``).
 
 Sampling and evaluation run outside the scorer's forward: ``gathered`` all-gathers every unit once, keeps
 them gathered for the whole rollout (no re-gather per decoded token) and frees them after.
@@ -179,12 +180,25 @@ def gathered(module: torch.nn.Module) -> Iterator[None]:
 
 
 def sync_gradients(scorer: torch.nn.Module, now: bool) -> None:
-    """Set before a micro-batch's forward. DDP: gradients are all-reduced only in the backward of a step's
-    last micro-batch (``now``); the earlier ones accumulate locally, what DDP's ``no_sync`` does, without
-    nesting the micro-batch loop in a context. FSDP2 keeps reduce-scattering every micro-batch: holding
-    unsharded gradients until the last one would cost the memory sharding is for."""
-    if hasattr(scorer, "require_backward_grad_sync"):  # a DDP wrapper (one process: no wrapper, nothing to sync)
+    """Set before a micro-batch's forward: gradients are reduced over processes only in the backward of a
+    step's last micro-batch (``now``); the earlier micro-batches accumulate locally. DDP: what ``no_sync``
+    does, without nesting the micro-batch loop in a context. FSDP2: every unit's ``set_requires_gradient_sync``;
+    a unit then keeps its unsharded gradient (the size of its parameters) from its first backward to the last
+    micro-batch's: DDP's gradient memory during the update (between steps the gradients are shards again), for
+    reductions that no longer grow with the number of micro-batches.
+
+    What the last backward issues (``scripts/check_two_process.py --strategy fsdp`` counts it): one
+    reduce-scatter per unit whose forward runs once per micro-batch (the root; every unit when rows are
+    re-encoded), two per decoder layer under the tree-shared forward. That forward calls each layer several
+    times (prompt, thoughts, answers); FSDP2 runs its post-backward once per call, the parameters' gradients
+    arrive before the last of them, and the first one finds the gradient accumulated by the earlier
+    micro-batches and reduces it early. Making that one reduction too needs FSDP2's private per-group state
+    (a gradient-arrival hook that sets ``reduce_grads``), which could not be checked on NCCL here.
+    One process: no wrapper, nothing to sync."""
+    if hasattr(scorer, "require_backward_grad_sync"):  # a DDP wrapper
         scorer.require_backward_grad_sync = now
+    elif isinstance(scorer, _fsdp_module_class()):  # the FSDP root: recurse sets every unit below it
+        scorer.set_requires_gradient_sync(now, recurse=True)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

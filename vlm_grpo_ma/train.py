@@ -149,7 +149,7 @@ def update_policy(
     for iteration in range(cfg.algorithm.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for index, micro in enumerate(micro_batches):
-            sharding.sync_gradients(scorer, now=index == len(micro_batches) - 1)  # DDP: one all-reduce per update
+            sharding.sync_gradients(scorer, now=index == len(micro_batches) - 1)  # one reduction per update (DDP, FSDP2)
             logprobs = score_rows(scorer, micro, prompts, accelerator, temperature)
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
