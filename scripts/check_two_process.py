@@ -7,7 +7,7 @@ learning rate) on a freshly initialised tiny model: once as one process, once as
 optimizer state sharded), with AdamW and with plain SGD. It prints, per step, the learning rate
 and grad norm each run logged, and the largest difference between the runs' final weights, next to how far
 training moved them; then the same for a two-process run stopped a step early and resumed; then the bytes
-of parameters, gradients and optimizer state each process holds, next to the one-process (unsharded)
+of parameters, gradients, optimizer state and the frozen KL reference model each process holds, next to the one-process (unsharded)
 figure (FSDP: each rank must hold at most 55% of it); under FSDP also the reduce-scatters of each optimizer
 step, counted per rank (tests/fixtures/count_reduce_scatters.py): one per FSDP unit with trainable
 parameters, with 2 micro-batches per process and step.
@@ -43,7 +43,7 @@ TASK_MODULE = ROOT / "tests" / "fixtures" / "answer_length_task.py"
 COUNTER = ROOT / "tests" / "fixtures" / "count_reduce_scatters.py"  # the trainer, counting FSDP's reduce-scatters
 LEARNING_RATES = {"adamw": 1e-3, "sgd": 0.5}  # both move the untrained model's weights by ~1e-3 in 3 steps
 LAUNCH_CONFIGS = {"ddp": "configs/accelerate/cpu-2proc.yaml", "fsdp": "configs/accelerate/cpu-2proc-fsdp.yaml"}
-MEMORY_PARTS = ("parameter", "gradient", "optimizer")
+MEMORY_PARTS = ("parameter", "gradient", "optimizer", "reference")  # reference: the frozen KL model
 SHARDED_SHARE = 0.55  # FSDP over 2 processes: each holds about half (shards are padded to equal sizes)
 
 
@@ -56,6 +56,7 @@ def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
         "train.warmup_steps=1",
         "train.max_grad_norm=1e6",  # no clipping: a clipped gradient would hide a constant factor from SGD too
         "train.lr_schedule=linear",
+        "algorithm.kl_coef=0.05",  # a frozen reference model (sharded under FSDP) and its KL term in the loss
         "train.prompts_per_step=4",
         "train.micro_batch_rows=4",
         "train.num_threads=1",

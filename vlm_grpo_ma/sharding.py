@@ -124,9 +124,11 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return bool(fsdp_modules(module))
 
 
-def shard(scorer: torch.nn.Module, settings: FSDPSettings, device: torch.device) -> torch.nn.Module:
+def shard(scorer: torch.nn.Module, settings: FSDPSettings, device: torch.device, *, trains: bool = True) -> torch.nn.Module:
     """Shard ``scorer`` (a ``CompletionScorer``) over all processes in place and return it. Build the
-    optimizer after this: the parameters become DTensor shards."""
+    optimizer after this: the parameters become DTensor shards. ``trains=False`` (the frozen KL reference,
+    only ever run under ``no_grad``): every unit, the root included, is freed right after its forward, since
+    no backward follows to free it; so between its forwards a process holds only its shard."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -143,15 +145,16 @@ def shard(scorer: torch.nn.Module, settings: FSDPSettings, device: torch.device)
         )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     units = [m for m in model.modules() if type(m).__name__ in wanted]
+    after_forward = settings.reshard_after_forward or not trains
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
-    # the root keeps its parameters gathered from forward to backward (they are needed again at once)
-    fully_shard(scorer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=after_forward)
+    # a trained root keeps its parameters gathered from forward to backward (they are needed again at once)
+    fully_shard(scorer, mesh=mesh, reshard_after_forward=not trains)
     # Make the scorer the root now: FSDP2 makes the first unit that runs forward the root, and the rollout
     # (which runs before any training forward) calls decoder layers directly, which would make one of
     # them a root and the scorer's first forward fail. (Private method: FSDP2 has no public lazy init.)
     scorer._get_fsdp_state()._lazy_init()
-    scorer._reshard_after_forward_settings = {id(u): settings.reshard_after_forward for u in units}
+    scorer._reshard_after_forward_settings = {id(u): after_forward for u in units} | {id(scorer): not trains}
     return scorer
 
 
@@ -231,9 +234,10 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
     return total
 
 
-def state_bytes(model: torch.nn.Module, optimizer, rank: int) -> dict[str, float]:
+def state_bytes(model: torch.nn.Module, optimizer, rank: int, reference: torch.nn.Module | None = None) -> dict[str, float]:
     """What this process holds of the model's parameters, gradients and optimizer state, in bytes:
-    ``memory/rank<r>_{parameter,gradient,optimizer}_bytes`` (shards under FSDP, everything under DDP)."""
+    ``memory/rank<r>_{parameter,gradient,optimizer}_bytes`` (shards under FSDP, everything under DDP); with a
+    frozen KL reference model of its own, its parameters too (``memory/rank<r>_reference_bytes``)."""
 
     def size(tensor: torch.Tensor) -> int:
         local = _local(tensor)
@@ -242,11 +246,14 @@ def state_bytes(model: torch.nn.Module, optimizer, rank: int) -> dict[str, float
     params = list(model.parameters())
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
     optimizer_bytes = sum(size(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
-    return {
+    held = {
         f"memory/rank{rank}_parameter_bytes": float(sum(size(p) for p in params)),
         f"memory/rank{rank}_gradient_bytes": float(sum(size(p.grad) for p in params if p.grad is not None)),
         f"memory/rank{rank}_optimizer_bytes": float(optimizer_bytes),
     }
+    if reference is not None:
+        held[f"memory/rank{rank}_reference_bytes"] = float(sum(size(p) for p in reference.parameters()))
+    return held
 
 
 def full_state_dict(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
