@@ -7,8 +7,10 @@ learning rate) on a freshly initialised tiny model: once as one process, once as
 optimizer state sharded), with AdamW and with plain SGD. It prints, per step, the learning rate
 and grad norm each run logged, and the largest difference between the runs' final weights, next to how far
 training moved them; then the same for a two-process run stopped a step early and resumed; then the bytes
-of parameters, gradients and optimizer state each process holds, next to the one-process (unsharded)
-figure (FSDP: each rank must hold at most 55% of it).
+of parameters, gradients, optimizer state and the frozen KL reference model each process holds, next to the one-process (unsharded)
+figure (FSDP: each rank must hold at most 55% of it); under FSDP also the reduce-scatters of each optimizer
+step, counted per rank (tests/fixtures/count_reduce_scatters.py): one per FSDP unit with trainable
+parameters, with 2 micro-batches per process and step.
 
     .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--keep DIR]
 
@@ -38,9 +40,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_MODULE = ROOT / "tests" / "fixtures" / "answer_length_task.py"
+COUNTER = ROOT / "tests" / "fixtures" / "count_reduce_scatters.py"  # the trainer, counting FSDP's reduce-scatters
 LEARNING_RATES = {"adamw": 1e-3, "sgd": 0.5}  # both move the untrained model's weights by ~1e-3 in 3 steps
 LAUNCH_CONFIGS = {"ddp": "configs/accelerate/cpu-2proc.yaml", "fsdp": "configs/accelerate/cpu-2proc-fsdp.yaml"}
-MEMORY_PARTS = ("parameter", "gradient", "optimizer")
+MEMORY_PARTS = ("parameter", "gradient", "optimizer", "reference")  # reference: the frozen KL model
 SHARDED_SHARE = 0.55  # FSDP over 2 processes: each holds about half (shards are padded to equal sizes)
 
 
@@ -53,6 +56,7 @@ def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
         "train.warmup_steps=1",
         "train.max_grad_norm=1e6",  # no clipping: a clipped gradient would hide a constant factor from SGD too
         "train.lr_schedule=linear",
+        "algorithm.kl_coef=0.05",  # a frozen reference model (sharded under FSDP) and its KL term in the loss
         "train.prompts_per_step=4",
         "train.micro_batch_rows=4",
         "train.num_threads=1",
@@ -69,17 +73,22 @@ def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
     ]
 
 
-def launch(out_dir: Path, overrides: list[str], processes: int, *, resume: bool = False, strategy: str = "ddp") -> None:
+def launch(
+    out_dir: Path, overrides: list[str], processes: int, *, resume: bool = False, strategy: str = "ddp", count: bool = False
+) -> None:
+    """Train into ``out_dir``; ``count``: through COUNTER, which logs the reduce-scatters of each step."""
     python = sys.executable
+    trainer = [str(COUNTER)] if count else ["-m", "vlm_grpo_ma.train"]
     if processes == 1:
-        command = [python, "-m", "vlm_grpo_ma.train"]
+        command = [python, *trainer]
     else:
         command = [
             python, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / LAUNCH_CONFIGS[strategy]),
-            "--num_processes", str(processes), "-m", "vlm_grpo_ma.train",
+            "--num_processes", str(processes), *trainer,
         ]
     command += ["--output-dir", str(out_dir), *overrides] + (["--resume"] if resume else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
@@ -129,6 +138,24 @@ def check_memory(one: Path, two: Path, strategy: str) -> bool:
     return ok
 
 
+def check_reduce_scatters(run_dir: Path, processes: int) -> bool:
+    """FSDP: gradients are reduce-scattered in the backward of each step's last micro-batch only (the earlier
+    ones accumulate locally), at least once per FSDP unit with trainable parameters. Prints the counts."""
+    ok = True
+    print("  reduce-scatters per optimizer step, [after micro-batch 1, 2, ...] (FSDP units with trainable parameters):")
+    for rank in range(processes):
+        steps = [json.loads(line) for line in (run_dir / f"reduce_scatters.rank{rank}.jsonl").read_text().splitlines()]
+        cells = ", ".join(f"{sum(s['per_micro_batch'])} {s['per_micro_batch']}" for s in steps)
+        print(f"    rank {rank}: {cells} ({steps[0]['units_with_gradients'] if steps else '?'} units)")
+        ok = ok and bool(steps) and all(
+            len(s["per_micro_batch"]) >= 2 and not any(s["per_micro_batch"][:-1])
+            and s["per_micro_batch"][-1] >= s["units_with_gradients"] > 0
+            for s in steps
+        )  # fmt: skip
+    print(f"  gradients reduced once per step (in the last micro-batch's backward only): {'yes' if ok else 'NO'}")
+    return ok
+
+
 def check_optimizer(work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str = "ddp") -> bool:
     """One optimiser: one process vs two, and two straight vs two stopped and resumed. Prints the figures."""
     from safetensors.torch import load_file
@@ -136,7 +163,7 @@ def check_optimizer(work: Path, model_dir: Path, steps: int, optimizer: str, tol
     overrides = run_overrides(model_dir, steps, optimizer)
     one, two, resumed = work / f"{optimizer}-one-process", work / f"{optimizer}-two-{strategy}", work / f"{optimizer}-two-{strategy}-resumed"
     launch(one, overrides, 1)
-    launch(two, overrides, 2, strategy=strategy)
+    launch(two, overrides, 2, strategy=strategy, count=strategy == "fsdp")
     # stopped a step early: a run with the same train.steps (it fixes the schedule) whose last checkpoint is
     # removed, so --resume continues from the checkpoint of step steps - 1
     launch(resumed, [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"], 2, strategy=strategy)
@@ -159,10 +186,12 @@ def check_optimizer(work: Path, model_dir: Path, steps: int, optimizer: str, tol
     print(f"  largest weight difference, one vs two processes:    {difference:.3e}")
     print(f"  learning rate / grad norm, largest relative difference: {rate_difference:.3e} / {norm_difference:.3e}")
     print(f"  two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
-    memory_ok = check_memory(one, two, strategy)
+    parts_ok = check_memory(one, two, strategy)
+    if strategy == "fsdp":
+        parts_ok = check_reduce_scatters(two, 2) and parts_ok
     return (
         max(difference, resume_difference, rate_difference, norm_difference) <= tolerance and moved > 10 * tolerance
-        and memory_ok
+        and parts_ok
     )
 
 

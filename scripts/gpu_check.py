@@ -48,81 +48,60 @@ PRESETS = {
 # 3,754,622,976 parameters, the published "3.75B" (tests/test_presets.py). Less certain, and changing neither
 # count nor compute of this check: max_window_layers (70; unused: use_sliding_window is false),
 # max_position_embeddings (128000), tokens_per_second (2; videos only) and rope_theta (1e6).
+THREE_B_TEXT = dict(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+    num_attention_heads=16,  # head_dim 128
+    num_key_value_heads=2,
+    hidden_act="silu",
+    max_position_embeddings=128000,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+    sliding_window=32768,
+    max_window_layers=70,
+    tie_word_embeddings=True,  # 3B ties lm_head to the embedding (7B does not)
+    # mrope_section sums to head_dim / 2 = 64: temporal, height, width
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+)
+THREE_B_VISION = dict(
+    depth=32,
+    hidden_size=1280,
+    intermediate_size=3420,
+    num_heads=16,
+    out_hidden_size=2048,  # = text hidden_size
+    hidden_act="silu",
+    in_channels=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,  # window attention over 112 px = 8x8 patches = 4x4 merged tokens
+    fullatt_block_indexes=[7, 15, 23, 31],
+    tokens_per_second=2,
+)
 SPECS = {
     "3b": dict(
-        text=dict(
-            vocab_size=151936,
-            hidden_size=2048,
-            intermediate_size=11008,
-            num_hidden_layers=36,
-            num_attention_heads=16,  # head_dim 128
-            num_key_value_heads=2,
-            hidden_act="silu",
-            max_position_embeddings=128000,
-            rms_norm_eps=1e-6,
-            use_sliding_window=False,
-            sliding_window=32768,
-            max_window_layers=70,
-            tie_word_embeddings=True,  # 3B ties lm_head to the embedding (7B does not)
-            # mrope_section sums to head_dim / 2 = 64: temporal, height, width
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-        ),
-        vision=dict(
-            depth=32,
-            hidden_size=1280,
-            intermediate_size=3420,
-            num_heads=16,
-            out_hidden_size=2048,  # = text hidden_size
-            hidden_act="silu",
-            in_channels=3,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,  # window attention over 112 px = 8x8 patches = 4x4 merged tokens
-            fullatt_block_indexes=[7, 15, 23, 31],
-            tokens_per_second=2,
-        ),
+        text=THREE_B_TEXT,
+        vision=THREE_B_VISION,
         image_pixels=401408,  # 512 * 28 * 28, the presets' max_pixels; also the minimum, to upscale 168 px scenes
     ),
     # The same structure (3B vocabulary included, so that sampling ids the tiny tokenizer does not know is
     # exercised), shrunk so that the whole check runs on a CPU in well under a minute.
     "tiny": dict(
         text=dict(
-            vocab_size=151936,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,  # head_dim 32
-            num_key_value_heads=1,
-            hidden_act="silu",
-            max_position_embeddings=4096,
-            rms_norm_eps=1e-6,
-            use_sliding_window=False,
-            tie_word_embeddings=True,
+            THREE_B_TEXT, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=4096,  # head_dim 32
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]},
         ),
-        vision=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=2,
-            out_hidden_size=64,
-            hidden_act="silu",
-            in_channels=3,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            fullatt_block_indexes=[1],
-            tokens_per_second=2,
-        ),
+        vision=dict(THREE_B_VISION, depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[1]),
         image_pixels=None,  # the tiny processor's own sizes (84 px)
     ),
-}
+}  # fmt: skip
 # Per-size defaults of the run (the 3B ones are the check's settings; tiny's keep the CPU run short).
 RUN_DEFAULTS = {
     "3b": dict(prompts_per_step=8, max_thought_tokens=256, max_answer_tokens=32),
-    "tiny": dict(prompts_per_step=2, max_thought_tokens=16, max_answer_tokens=8),
+    "tiny": dict(prompts_per_step=1, max_thought_tokens=8, max_answer_tokens=4),
 }
 # Config keys this check sets whose effect lives in the core; a note is printed where no module of
 # vlm_grpo_ma other than config.py mentions them yet (then the run does not do what the key says).
@@ -267,21 +246,23 @@ class GpuMemoryPoller:
             self._thread.join(timeout=15)
 
 
-def train_command(args, model_dir: Path, run_dir: Path) -> list[str]:
+def train_command(args, model_dir: Path, run_dir: Path, *, thoughts: int = 4, answers: int = 4, launcher: list[str] | None = None, steps: int | None = None) -> list[str]:
+    """The trainer's command line for a (thoughts x answers) run; ``launcher`` replaces ``python`` (accelerate)."""
     run = RUN_DEFAULTS[args.size]
     on_gpu = args.device == "cuda"
     pixels = SPECS[args.size]["image_pixels"]
+    steps = steps or args.steps
     command = [
-        sys.executable, "-m", "vlm_grpo_ma.train",
+        *(launcher or [sys.executable]), "-m", "vlm_grpo_ma.train",
         "--config", str(PRESETS[args.lora]),
         "--output-dir", str(run_dir),
         f"model.name_or_path={model_dir}",
         "data.task=grounding",
         "data.source=null",  # the embedded scenes
-        f"train.steps={args.steps}",
+        f"train.steps={steps}",
         f"train.prompts_per_step={args.prompts_per_step or run['prompts_per_step']}",
-        "rollout.num_thoughts=4",
-        "rollout.num_answers=4",
+        f"rollout.num_thoughts={thoughts}",
+        f"rollout.num_answers={answers}",
         f"rollout.max_thought_tokens={args.max_thought_tokens or run['max_thought_tokens']}",
         f"rollout.max_answer_tokens={args.max_answer_tokens or run['max_answer_tokens']}",
         f"model.dtype={'bfloat16' if on_gpu else 'float32'}",
@@ -291,7 +272,7 @@ def train_command(args, model_dir: Path, run_dir: Path) -> list[str]:
         "model.gradient_checkpointing=true",
         f"model.min_pixels={'null' if pixels is None else pixels}",
         f"model.max_pixels={'null' if pixels is None else pixels}",
-        f"train.checkpoint_every={args.steps}",  # the trainer always saves after the last step: only that one
+        f"train.checkpoint_every={steps}",  # the trainer always saves after the last step: only that one
         "train.keep_checkpoints=1",
         "train.eval_every=0",
         "logging.tensorboard=false",
@@ -301,20 +282,28 @@ def train_command(args, model_dir: Path, run_dir: Path) -> list[str]:
     return command + list(args.overrides)
 
 
-def run_streaming(command: list[str], env: dict, log_path: Path) -> tuple[int, str]:
-    """Run ``command`` from the repository root, echoing its output and keeping it in ``log_path``."""
+def run_streaming(command: list[str], env: dict, log_path: Path, *, timeout: float, echo: bool = True, indent: str = "") -> tuple[int, str]:
+    """Run ``command`` from the repository root, keeping its output in ``log_path`` (and echoing it); killed
+    after ``timeout`` seconds (the budget left), then its exit code is -9."""
     lines = []
     with (
         open(log_path, "w") as log,
         subprocess.Popen(
-            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            start_new_session=True,
         ) as proc,
     ):
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-            lines.append(line)
-        proc.wait()
+        timer = threading.Timer(max(timeout, 1.0), proc.kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                if echo:
+                    sys.stdout.write(indent + line)
+                log.write(line)
+                lines.append(line)
+            proc.wait()
+        finally:
+            timer.cancel()
     return proc.returncode, "".join(lines)
 
 
@@ -350,6 +339,7 @@ def summarize_run(records: list[dict], log_text: str) -> dict:
             default=None,
         ),
         "peak_gpu_memory_gb": max(peaks) if peaks else None,
+        "trainable_parameters": int(trainable[-1][0].split(" of ")[0].replace(",", "")) if trainable else None,
     }
 
 
@@ -372,47 +362,214 @@ def environment_line(device: str) -> str:
     )
 
 
+H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA's H200 SXM bf16 dense tensor-core peak (the 1,979 TFLOPs figure is with sparsity)
+
+# Seconds each section is expected to take on one H200 at the 3B size (estimates, not measurements: no GPU
+# has run this yet; they assume ~25 ms per decoded token of 32-128 rows and ~5 s per training update of the
+# 128 T4A4 rows with gradient checkpointing). The budget check compares them with the time left.
+H200_ESTIMATES = {
+    "model": 45,  # build the random 3B in bf16 on the GPU, save 7.5 GB
+    "T4A4": 120,  # trainer start + load ~35 s, 3 steps ~15 s each, final checkpoint (model + AdamW state) ~40 s
+    "T16A1": 110,  # the same with 16 thoughts of 1 answer (more thought rows, fewer answer rows)
+    "forward": 50,  # shared vs re-encoded training forward, sdpa and flash_attention_2, 2 prompts, 1 repeat
+    "fsdp": 100,  # two processes, 2 steps (skipped with one GPU)
+    "decode": 20,  # scripts/bench_decode_step.py
+}
+SECTIONS = {
+    "model": "random model",
+    "T4A4": "T4A4 training run",
+    "T16A1": "T16A1 training run",
+    "forward": "training forward: shared prefixes vs re-encoded rows",
+    "fsdp": "2-GPU FSDP step",
+    "decode": "decode-step benchmark (scripts/bench_decode_step.py)",
+}
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="scripts/gpu_check.sh",
-        description="A few GRPO-MA T4A4 steps of a random-weight Qwen2.5-VL-3B-sized model; prints timing and memory.",
+        description="GRPO-MA T4A4 and T16A1 steps of a random-weight Qwen2.5-VL-3B-sized model, the training forward "
+        "two ways, a 2-GPU FSDP step and the decode-step benchmark; prints timing, throughput, MFU and memory.",
         epilog="Trailing section.key=value arguments are passed to the trainer after the check's own overrides.",
     )
-    parser.add_argument(
-        "--steps", type=int, default=5, help="training steps (default 5; step 1 counts as warm-up)"
-    )
-    parser.add_argument(
-        "--size",
-        choices=sorted(SPECS),
-        default="3b",
-        help="3b: the real 3B architecture; tiny: a CPU-sized copy",
-    )
-    parser.add_argument(
-        "--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda when available"
-    )
-    parser.add_argument(
-        "--lora",
-        action="store_true",
-        help="use the LoRA preset (configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml)",
-    )
-    parser.add_argument("--prompts-per-step", type=int, help="default 8 (3b), 2 (tiny)")
-    parser.add_argument("--max-thought-tokens", type=int, help="default 256 (3b), 16 (tiny)")
-    parser.add_argument("--max-answer-tokens", type=int, help="default 32 (3b), 8 (tiny)")
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        help="where the model and the run go, kept afterwards (default: a temporary folder)",
-    )
-    parser.add_argument(
-        "--keep", action="store_true", help="keep the work folder (model, run, log) afterwards"
-    )
-    parser.add_argument("--summary-json", type=Path, help="also write the summary as JSON to this file")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run (default 3; step 1 counts as warm-up)")
+    parser.add_argument("--size", choices=sorted(SPECS), default="3b", help="3b: the real 3B architecture; tiny: a CPU-sized copy")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda when available")
+    parser.add_argument("--lora", action="store_true", help="use the LoRA preset (configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml)")
+    parser.add_argument("--prompts-per-step", type=int, help="default 8 (3b), 1 (tiny)")
+    parser.add_argument("--max-thought-tokens", type=int, help="default 256 (3b), 8 (tiny)")
+    parser.add_argument("--max-answer-tokens", type=int, help="default 32 (3b), 4 (tiny)")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget; a section whose estimate does not fit in what is left is skipped (default 480)")
+    parser.add_argument("--work-dir", type=Path, help="where the model and the runs go, kept afterwards (default: a temporary folder)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (model, runs, logs) afterwards")
+    parser.add_argument("--summary-json", type=Path, help="also write the figures as JSON to this file")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides section.key=value")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+class Budget:
+    """The wall-clock budget: a section runs only when its estimate fits in what is left; subprocesses are
+    killed when the budget runs out, so the check never overruns it."""
+
+    def __init__(self, seconds: float, estimates: dict[str, float]):
+        self.started, self.seconds, self.estimates = time.perf_counter(), seconds, estimates
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.started)
+
+    def allows(self, section: str) -> bool:
+        if self.estimates[section] <= self.left():
+            return True
+        print(f"  skipped: the budget has {max(self.left(), 0):.0f} s left, this section is estimated at "
+              f"{self.estimates[section]:.0f} s (--budget-s {self.seconds:.0f})", flush=True)  # fmt: skip
+        return False
+
+
+def header(number: int, title: str) -> None:
+    print(f"\n== [{number}/{len(SECTIONS) + 2}] {title} ==", flush=True)
+
+
+def mfu(result: dict, peak_flops: float) -> float | None:
+    """Model FLOPs utilisation of the training forward + backward: 6 x trainable parameters x trained tokens per
+    second over the peak. 6N per token (2N forward, 4N backward); attention's own FLOPs, the frozen vision
+    tower's forward and the recompute of gradient checkpointing (~2N more) are not counted."""
+    n, rate = result.get("trainable_parameters"), result.get("trained_tokens_per_second")
+    return None if not n or not rate or not peak_flops else 6 * n * rate / peak_flops
+
+
+def training_section(args, key: str, model_dir: Path, work: Path, env: dict, budget: Budget, thoughts: int, answers: int) -> dict:
+    run_dir, log_path = work / f"run-{key}", work / f"train-{key}.log"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run, never a resume of an earlier check
+    command = train_command(args, model_dir, run_dir, thoughts=thoughts, answers=answers)
+    print("  " + " ".join(command[1:]), flush=True)
     started = time.perf_counter()
+    with GpuMemoryPoller() as poller:
+        returncode, log_text = run_streaming(command, env, log_path, timeout=budget.left(), echo=False)
+    from vlm_grpo_ma.metrics import read_metrics
+
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    result = summarize_run(records, log_text)
+    peak_flops = H200_BF16_DENSE_FLOPS if args.device == "cuda" else None
+    result.update(
+        trainer_exit_code=returncode, seconds=time.perf_counter() - started, mfu=mfu(result, peak_flops or 0),
+        nvidia_smi_peak_gib=None if poller.peak_mib is None else poller.peak_mib / 1024,
+    )  # fmt: skip
+    print(
+        f"  attention {result['attention'] or 'n/a'}; trainable {result['trainable'] or 'n/a'}; "
+        f"{len(records)} of {args.steps} steps logged, trainer exit code {returncode} ({result['seconds']:.0f} s)\n"
+        f"  step time        {_fmt(result['step_seconds'], '.2f', ' s')} (rollout {_fmt(result['rollout_seconds'], '.2f', ' s')};"
+        f" first step {_fmt(result['first_step_seconds'], '.2f', ' s')}, not in the means)\n"
+        f"  generated        {_fmt(result['generated_tokens_per_second'], ',.0f', ' tokens/s')}"
+        f" (mean thought {_fmt(result['thought_tokens'], '.0f')} / answer {_fmt(result['answer_tokens'], '.0f')} tokens)\n"
+        f"  trained          {_fmt(result['trained_tokens_per_second'], ',.0f', ' tokens/s')} (over the update's time)\n"
+        f"  MFU (train f/b)  {_fmt(None if result['mfu'] is None else 100 * result['mfu'], '.1f', '%')}"
+        f" (6 x trainable parameters x trained tokens/s over {'989 TFLOPs, H200 bf16 dense' if peak_flops else 'no GPU peak: CPU run'};"
+        f" attention and checkpoint recompute not counted)\n"
+        f"  peak memory      {_fmt(result['peak_gpu_memory_gb'], '.1f', ' GiB')} allocated (time/peak_gpu_memory_gb);"
+        f" nvidia-smi max {_fmt(result['nvidia_smi_peak_gib'], '.1f', ' GiB')} (whole device)\n"
+        f"  logprob check    max |sampling - training log-prob| {_fmt(result['logprob_mismatch_max'], '.3g')}",
+        flush=True,
+    )
+    if returncode != 0:
+        print(f"  the trainer failed (exit code {returncode}); its log: {log_path}", flush=True)
+        args.keep = True
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the 3B's checkpoint is ~20 GB of disk
+    return result
+
+
+def flash_attention_available(device: str) -> str | None:
+    """None when flash_attention_2 can run here, else why not."""
+    import importlib.util
+
+    import torch
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return "not available on this machine (no CUDA)"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "not available on this machine (flash_attn not importable)"
+    return None
+
+
+def forward_section(args, model_dir: Path, budget: Budget) -> dict:
+    """The training log-probs + backward of one T4A4 tree per prompt, tree-shared against re-encoded rows
+    (``vlm_grpo_ma.bench.bench_train``), under sdpa and flash_attention_2: time ratio and log-prob agreement
+    (flash_attention_2 sees the padded holes the shared forward leaves in the KV cache)."""
+    import torch
+
+    from vlm_grpo_ma import lora
+    from vlm_grpo_ma.bench import BenchTree, bench_prompts, bench_train
+    from vlm_grpo_ma.policy import load_policy
+
+    run = RUN_DEFAULTS[args.size]
+    pixels = SPECS[args.size]["image_pixels"]
+    tree = BenchTree(
+        max_thought_tokens=args.max_thought_tokens or run["max_thought_tokens"],
+        max_answer_tokens=args.max_answer_tokens or run["max_answer_tokens"], repeats=1, warmup=int(args.device == "cuda"),
+    )  # fmt: skip
+    results = {}
+    for attention in ("sdpa", "flash_attention_2"):
+        why_not = flash_attention_available(args.device) if attention == "flash_attention_2" else None
+        if why_not:
+            print(f"  {attention:<17}: {why_not}", flush=True)
+            results[attention] = why_not
+            continue
+        policy = load_policy(
+            str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32", attn_implementation=attention,
+            min_pixels=pixels, max_pixels=pixels, device=args.device,
+        )  # fmt: skip
+        lora.freeze_vision(policy.model)  # as the presets train
+        out = bench_train(policy, bench_prompts(policy, 2 if args.size == "3b" else 1), tree, micro_batch_rows=16)
+        results[attention] = out
+        print(
+            f"  {attention:<17}: shared {out['shared_s']:.2f} s, re-encoded {out['reencode_s']:.2f} s, ratio {out['ratio']:.2f}x "
+            f"(tokens encoded {out['tokens_encoded_shared']:,} vs {out['tokens_encoded_reencode']:,}); "
+            f"log-prob max |shared - re-encoded| {out['logprob_max_abs_diff']:.2e}, gradient max relative difference "
+            f"{out['grad_max_abs_diff_relative']:.2e}",
+            flush=True,
+        )
+        del policy
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def fsdp_section(args, model_dir: Path, work: Path, env: dict, budget: Budget) -> dict | str:
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if gpus < 2:
+        line = f"skipped: {gpus} GPU(s) visible, the FSDP step needs 2"
+        print(f"  {line}", flush=True)
+        return line
+    run_dir = work / "run-fsdp"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/fsdp.yaml"), "--num_processes", "2"]
+    command = train_command(args, model_dir, run_dir, launcher=launcher, steps=2)
+    print("  " + " ".join(command[1:]), flush=True)
+    returncode, log_text = run_streaming(command, env, work / "train-fsdp.log", timeout=budget.left(), echo=False)
+    from vlm_grpo_ma.metrics import read_metrics
+
+    records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    last = records[-1] if records else {}
+    held = {k: v for k, v in last.items() if k.startswith("memory/rank")}
+    print(f"  exit code {returncode}; {len(records)} of 2 steps; step 2 time {_fmt(last.get('time/step_seconds'), '.2f', ' s')}; "
+          f"peak memory {_fmt(last.get('time/peak_gpu_memory_gb'), '.1f', ' GiB')} (rank 0)", flush=True)  # fmt: skip
+    for key, value in sorted(held.items()):
+        print(f"  {key} {value / 2**30:.2f} GiB", flush=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    return {"exit_code": returncode, "records": records}
+
+
+def decode_section(args, work: Path, env: dict, budget: Budget) -> str:
+    small = [] if args.device == "cuda" else ["--rows", "4", "--repeats", "1", "--cache-rows", "4", "--cache-prompt", "32", "--cache-steps", "8"]
+    command = [sys.executable, str(REPO / "scripts" / "bench_decode_step.py"), "--device", args.device, *small]
+    returncode, text = run_streaming(command, env, work / "bench_decode_step.log", timeout=budget.left(), indent="  ")
+    if returncode != 0:
+        print(f"  bench_decode_step.py failed (exit code {returncode})", flush=True)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
@@ -424,94 +581,77 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update(
-        PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
-    )
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the trainer picks CUDA whenever it sees it
+    # On a CPU self-check the H200 estimates mean nothing: every section gets a token estimate
+    estimates = H200_ESTIMATES if args.size == "3b" else {k: 1.0 for k in H200_ESTIMATES}
+    budget = Budget(args.budget_s, estimates)
 
-    print(f"[gpu_check] {environment_line(args.device)}", flush=True)
-    notes = unwired_notes()
-    for note in notes:
-        print(f"[gpu_check] note: {note}", flush=True)
+    header(1, "plan")
+    print(f"  {environment_line(args.device)}")
+    for note in unwired_notes():
+        print(f"  note: {note}")
+    run = RUN_DEFAULTS[args.size]
+    print(f"  Qwen2.5-VL {args.size} architecture, random weights, {args.prompts_per_step or run['prompts_per_step']} prompts/step, "
+          f"thoughts <= {args.max_thought_tokens or run['max_thought_tokens']} tokens, answers <= "
+          f"{args.max_answer_tokens or run['max_answer_tokens']}, {args.steps} steps per run; "
+          f"{visual_tokens(168, SPECS[args.size]['image_pixels'])}")  # fmt: skip
+    print(f"  budget {args.budget_s:.0f} s; estimated seconds on one H200 at the 3B size (a section that does not fit in what is left is skipped):")
+    for key, title in SECTIONS.items():
+        print(f"    {title:<55} {H200_ESTIMATES[key]:>4} s")
+    print(f"    {'total':<55} {sum(H200_ESTIMATES.values()):>4} s", flush=True)
 
     if args.work_dir is not None:
         args.keep = True  # never delete a folder the caller named
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
-    model_dir, run_dir, log_path = work / "model", work / "run", work / "train.log"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a fresh run, never a resume of an earlier check
+    model_dir = work / "model"
+    figures: dict = {"size": args.size, "device": args.device, "lora": args.lora, "steps": args.steps}
+    failed = False
     try:
+        header(2, SECTIONS["model"])
+        if not budget.allows("model"):
+            return 1  # nothing else can run without the model
         t0 = time.perf_counter()
-        params = save_model_folder(
-            model_dir, args.size, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32"
-        )
-        build_seconds = time.perf_counter() - t0
-        print(f"[gpu_check] built and saved a random {args.size} Qwen2.5-VL ({params / 1e9:.3f}B parameters) "
-              f"in {build_seconds:.1f} s -> {model_dir}", flush=True)  # fmt: skip
-        command = train_command(args, model_dir, run_dir)
-        print("[gpu_check] " + " ".join(command[1:]), flush=True)
-        t0 = time.perf_counter()
-        with GpuMemoryPoller() as poller:
-            returncode, log_text = run_streaming(command, env, log_path)
-        train_seconds = time.perf_counter() - t0
-        from vlm_grpo_ma.metrics import read_metrics
-
-        records = read_metrics(run_dir)
-        result = summarize_run(records, log_text)
-        result.update(
-            size=args.size,
-            lora=args.lora,
-            device=args.device,
-            parameters=params,
-            steps=args.steps,
-            trainer_exit_code=returncode,
-            build_and_save_seconds=build_seconds,
-            train_command_seconds=train_seconds,
-            nvidia_smi_peak_gib=None if poller.peak_mib is None else poller.peak_mib / 1024,
-            images=visual_tokens(168, SPECS[args.size]["image_pixels"]),
-            notes=notes,
-            total_seconds=time.perf_counter() - started,
-        )
-        run = RUN_DEFAULTS[args.size]
-        print(
-            "\n===== gpu_check summary =====\n"
-            f"model           Qwen2.5-VL {args.size} architecture, random weights, {params / 1e9:.3f}B parameters"
-            f"{' (LoRA preset)' if args.lora else ' (full fine-tuning preset)'}\n"
-            f"settings        T4A4, {args.prompts_per_step or run['prompts_per_step']} prompts/step, thoughts <= "
-            f"{args.max_thought_tokens or run['max_thought_tokens']} tokens, answers <= "
-            f"{args.max_answer_tokens or run['max_answer_tokens']}; {result['images']}\n"
-            f"attention       {result['attention'] or 'n/a'}\n"
-            f"trainable       {result['trainable'] or 'n/a'} parameters\n"
-            f"steps           {len(records)} of {args.steps} logged; trainer exit code {returncode}\n"
-            f"step time       {_fmt(result['step_seconds'], '.2f', ' s')} (rollout {_fmt(result['rollout_seconds'], '.2f', ' s')};"
-            f" first step {_fmt(result['first_step_seconds'], '.2f', ' s')}, not in the means)\n"
-            f"generated       {_fmt(result['generated_tokens_per_second'], ',.0f', ' tokens/s')}"
-            f" (mean thought {_fmt(result['thought_tokens'], '.0f')} / answer {_fmt(result['answer_tokens'], '.0f')} tokens)\n"
-            f"trained         {_fmt(result['trained_tokens_per_second'], ',.0f', ' tokens/s')}\n"
-            f"peak GPU memory {_fmt(result['peak_gpu_memory_gb'], '.1f', ' GiB')} (time/peak_gpu_memory_gb: allocated tensors);"
-            f" nvidia-smi max {_fmt(result['nvidia_smi_peak_gib'], '.1f', ' GiB')} (whole device)\n"
-            f"logprob check   max |sampling - training log-prob| {_fmt(result['logprob_mismatch_max'], '.3g')}\n"
-            f"wall time       {result['total_seconds']:.1f} s total (model build+save {build_seconds:.1f} s,"
-            f" trainer {train_seconds:.1f} s incl. load and final checkpoint)\n"
-            + "".join(f"note            {note}\n" for note in notes),
-            flush=True,
-        )
+        params = save_model_folder(model_dir, args.size, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32")
+        figures["parameters"] = params
+        print(f"  built and saved a random {args.size} Qwen2.5-VL ({params / 1e9:.3f}B parameters) in "
+              f"{time.perf_counter() - t0:.1f} s -> {model_dir}", flush=True)  # fmt: skip
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        for number, (key, thoughts, answers) in enumerate((("T4A4", 4, 4), ("T16A1", 16, 1)), start=3):
+            header(number, SECTIONS[key])
+            if budget.allows(key):
+                figures[key] = training_section(args, key, model_dir, work, env, budget, thoughts, answers)
+                failed |= figures[key]["trainer_exit_code"] != 0 or figures[key]["steps_logged"] < args.steps
+        header(5, SECTIONS["forward"])
+        if budget.allows("forward"):
+            figures["forward"] = forward_section(args, model_dir, budget)
+        header(6, SECTIONS["fsdp"])
+        if budget.allows("fsdp"):
+            figures["fsdp"] = fsdp_section(args, model_dir, work, env, budget)
+        header(7, SECTIONS["decode"])
+        if budget.allows("decode"):
+            figures["decode"] = decode_section(args, work, env, budget)
+        header(8, "summary")
+        for key in ("T4A4", "T16A1"):
+            r = figures.get(key)
+            if isinstance(r, dict):
+                print(f"  {key:<6} step {_fmt(r['step_seconds'], '.2f', ' s')}, generated {_fmt(r['generated_tokens_per_second'], ',.0f', ' tok/s')}, "
+                      f"trained {_fmt(r['trained_tokens_per_second'], ',.0f', ' tok/s')}, MFU {_fmt(None if r['mfu'] is None else 100 * r['mfu'], '.1f', '%')}, "
+                      f"peak {_fmt(r['peak_gpu_memory_gb'], '.1f', ' GiB')}")  # fmt: skip
+            else:
+                print(f"  {key:<6} not run")
+        for attention, out in (figures.get("forward") or {}).items():
+            text = out if isinstance(out, str) else f"ratio {out['ratio']:.2f}x, log-prob max difference {out['logprob_max_abs_diff']:.2e}"
+            print(f"  forward, {attention}: {text}")
+        print(f"  wall time {time.perf_counter() - budget.started:.0f} s of the {args.budget_s:.0f} s budget", flush=True)
+        figures["total_seconds"] = time.perf_counter() - budget.started
         if args.summary_json:
             args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-            args.summary_json.write_text(json.dumps(result, indent=2))
-        if returncode != 0:
-            print(
-                f"[gpu_check] the trainer failed (exit code {returncode}); its log: {log_path}",
-                file=sys.stderr,
-            )
-            args.keep = True
-            return returncode
-        if len(records) < args.steps:
-            print(f"[gpu_check] only {len(records)} of {args.steps} steps in metrics.jsonl", file=sys.stderr)
-            return 1
-        return 0
+            args.summary_json.write_text(json.dumps(figures, indent=2, default=str))
+        return 1 if failed else 0
     finally:
         if args.keep:
             print(f"[gpu_check] kept {work}", flush=True)

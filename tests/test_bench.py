@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_grpo_ma.bench import bench_prompts, bench_rollout, load_bench_policy, reencode_answers, run_branched
+from vlm_grpo_ma.bench import BenchTree, bench_prompts, bench_rollout, load_bench_policy, reencode_answers, run_branched
 from vlm_grpo_ma.policy import SamplingSettings, _policy_logprobs, prompt_generators
 
 K, M = 2, 2
@@ -28,14 +28,7 @@ def tiny_policy(tmp_path_factory):
 def test_rollout_benchmark_paths_agree(tiny_policy):
     policy, prompts = tiny_policy
     result = bench_rollout(
-        policy,
-        prompts,
-        num_thoughts=K,
-        num_answers=M,
-        max_thought_tokens=THOUGHT_TOKENS,
-        max_answer_tokens=ANSWER_TOKENS,
-        repeats=1,
-        warmup=0,
+        policy, prompts, BenchTree(num_thoughts=K, num_answers=M, max_thought_tokens=THOUGHT_TOKENS, max_answer_tokens=ANSWER_TOKENS, repeats=1, warmup=0)
     )
     assert result["num_answers_branched"] == result["num_answers_reencode"] == K * M
     assert len(result["first_token_logprobs_reencode"]) == K * M
@@ -84,9 +77,7 @@ def test_the_embedded_model_is_benchmarked_as_the_default_run_loads_it(tmp_path)
     torch.set_num_threads(1)
     try:
         policy = load_bench_policy("embedded", tmp_path)
-        result = bench_rollout(
-            policy, bench_prompts(policy, 2), num_thoughts=K, num_answers=M, repeats=1, warmup=0
-        )
+        result = bench_rollout(policy, bench_prompts(policy, 2), BenchTree(num_thoughts=K, num_answers=M, repeats=1, warmup=0))
     finally:
         torch.set_num_threads(threads)
     assert result["thought_tokens_mean"] < result["max_thought_tokens"]
@@ -102,14 +93,12 @@ def test_an_unknown_benchmark_model_names_the_choices(tmp_path):
 def test_training_forward_benchmark_paths_agree_and_count_the_tokens(tiny_policy):
     """``bench train``: both forwards give the same log-probs and gradients, and the shared one encodes
     each micro-batch's prompts and thoughts once (counted from the tree, not from either path)."""
-    from vlm_grpo_ma.bench import bench_train
+    from vlm_grpo_ma.bench import BenchTree, bench_train
 
     policy, prompts = tiny_policy
     prompts = bench_prompts(policy, 2)
-    result = bench_train(
-        policy, prompts, num_thoughts=K, num_answers=M, max_thought_tokens=THOUGHT_TOKENS,
-        max_answer_tokens=ANSWER_TOKENS, micro_batch_rows=K * M, repeats=1, warmup=0,
-    )  # fmt: skip
+    tree = BenchTree(num_thoughts=K, num_answers=M, max_thought_tokens=THOUGHT_TOKENS, max_answer_tokens=ANSWER_TOKENS, repeats=1, warmup=0)
+    result = bench_train(policy, prompts, tree, micro_batch_rows=K * M)
     assert result["logprob_max_abs_diff"] <= TOLERANCE
     assert result["grad_max_abs_diff_relative"] <= 1e-4
     prompt = result["prompt_tokens_mean"]

@@ -8,7 +8,9 @@ against 5e-4, 1e-3, 5e-4) and the loss not scaled by the number of processes (gr
 1.7e-2 apart). FSDP runs AdamW only here to keep the suite short (the script's default runs SGD too; the
 gradient scale SGD would see is checked exactly by tests/test_sharding.py); AdamW is the one whose resume
 needs the optimizer state. Planted and seen to fail (FSDP): the resume not loading the sharded optimizer
-state, and the rollout without gathering the parameters (see tests/test_sharding.py)."""
+state, the rollout without gathering the parameters (see tests/test_sharding.py), and gradients synchronised
+on every micro-batch (reduce-scatters [5, 5] per step instead of [0, 9]: "gradients reduced once per step: NO").
+The runs train with KL to a frozen reference, sharded under FSDP (its bytes are in the total)."""
 
 import subprocess
 import sys
@@ -38,4 +40,7 @@ def test_two_processes_train_what_one_process_trains():
 def test_two_sharded_processes_train_what_one_process_trains_with_half_the_memory_each():
     out = _check("--strategy", "fsdp", "--optimizers", "adamw")
     total = next(line for line in out.splitlines() if line.strip().startswith("total"))
-    assert total.count("(50.0%)") == 2, out  # each rank holds half of parameters + gradients + AdamW state
+    assert total.count("(50.0%)") == 2, out  # each rank holds half of parameters + gradients + AdamW state + reference
+    reference = next(line for line in out.splitlines() if line.strip().startswith("reference"))
+    assert reference.count("(50.0%)") == 2, out
+    assert "gradients reduced once per step (in the last micro-batch's backward only): yes" in out

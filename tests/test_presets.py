@@ -3,7 +3,9 @@ presets, and the model builder of scripts/gpu_check.py (3B size counted on the m
 loaded for real)."""
 
 import importlib.util
+import json
 import os
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -316,3 +318,47 @@ def test_gpu_check_summary_reads_metrics(gpu_check):
     no_peak = gpu_check.summarize_run([{k: v for k, v in r.items() if "peak" not in k} for r in records], "")
     assert no_peak["peak_gpu_memory_gb"] is None and no_peak["attention"] is None
     assert gpu_check._fmt(None) == "n/a"
+
+
+def test_gpu_check_mfu_counts_six_flops_per_trained_parameter_and_token(gpu_check):
+    result = {"trainable_parameters": 3_000_000_000, "trained_tokens_per_second": 10_000.0}
+    assert gpu_check.mfu(result, gpu_check.H200_BF16_DENSE_FLOPS) == pytest.approx(6 * 3e9 * 1e4 / 989e12)
+    assert gpu_check.mfu(result, 0) is None and gpu_check.mfu({}, 989e12) is None
+
+
+def test_gpu_check_budget_skips_a_section_that_does_not_fit(gpu_check, capsys):
+    budget = gpu_check.Budget(100.0, {"T4A4": 120, "decode": 20})
+    assert budget.allows("decode") and not budget.allows("T4A4")
+    assert "skipped: the budget has" in capsys.readouterr().out
+    assert sum(gpu_check.H200_ESTIMATES.values()) <= 480  # the default budget holds every section's estimate
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_self_check_prints_every_section(tmp_path):
+    """The GPU check's own command on the CPU (tiny size, one step per run): every section prints, flash
+    attention is reported as unavailable, the FSDP step as skipped, and the decode benchmark's figures appear."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "2"}
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), "--size", "tiny", "--device", "cpu", "--steps", "1", "--summary-json", str(tmp_path / "s.json")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    titles = ["plan", *gpu_check_sections().values(), "summary"]
+    for number, title in enumerate(titles, start=1):
+        assert f"== [{number}/{len(titles)}] {title} ==" in out, title
+    assert "flash_attention_2: not available on this machine" in out
+    assert "skipped: 0 GPU(s) visible, the FSDP step needs 2" in out
+    assert "decode step sampling" in out and "KV cache, one layer" in out
+    for run in ("T4A4", "T16A1"):
+        assert re.search(rf"{run}\s+step [\d.]+ s, generated [\d,]+ tok/s, trained [\d,]+ tok/s", out), run
+    assert re.search(r"forward, sdpa: ratio [\d.]+x, log-prob max difference", out)
+    figures = json.loads((tmp_path / "s.json").read_text())
+    assert figures["forward"]["sdpa"]["logprob_max_abs_diff"] <= 1e-4
+
+
+def gpu_check_sections():
+    return _gpu_check().SECTIONS

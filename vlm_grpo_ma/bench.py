@@ -227,25 +227,29 @@ def _mean_len(rows: Sequence[Sequence[int]]) -> float:
     return sum(len(r) for r in rows) / max(len(rows), 1)
 
 
-def bench_rollout(
-    policy: Policy,
-    prompts: Sequence[EncodedPrompt],
-    *,
-    num_thoughts: int = 4,
-    num_answers: int = 4,
-    max_thought_tokens: int = RolloutConfig.max_thought_tokens,
-    max_answer_tokens: int = RolloutConfig.max_answer_tokens,
-    temperature: float = 1.0,
-    repeats: int = 3,
-    warmup: int = 1,
-    seed: int = 0,
-) -> dict:
-    """Time (a) branched and (b) re-encode rollouts, interleaved; ``warmup`` unrecorded rounds first.
+@dataclasses.dataclass(frozen=True)
+class BenchTree:
+    """The tree and repeat settings both benchmarks take: K x M per prompt, token limits, timed repeats after
+    ``warmup`` unrecorded rounds, the sampling seed."""
+
+    num_thoughts: int = 4
+    num_answers: int = 4
+    max_thought_tokens: int = RolloutConfig.max_thought_tokens
+    max_answer_tokens: int = RolloutConfig.max_answer_tokens
+    repeats: int = 3
+    warmup: int = 1
+    seed: int = 0
+
+
+def bench_rollout(policy: Policy, prompts: Sequence[EncodedPrompt], tree: BenchTree = BenchTree(), *, temperature: float = 1.0) -> dict:
+    """Time (a) branched and (b) re-encode rollouts, interleaved; ``tree.warmup`` unrecorded rounds first.
 
     Every run samples from fresh per-prompt generators seeded by ``seed``, so (a) and (b) draw the same thoughts
     and (up to float noise in the logits) the same answers. Returns a JSON-able dict of medians, ratios
     (re-encode / branched: > 1 means branching is faster), token counts and the first-token check.
     """
+
+    num_thoughts, num_answers, max_thought_tokens, max_answer_tokens, repeats, warmup, seed = dataclasses.astuple(tree)
 
     def settings() -> SamplingSettings:
         return SamplingSettings(
@@ -330,15 +334,9 @@ def bench_rollout(
 def bench_train(
     policy: Policy,
     prompts: Sequence[EncodedPrompt],
+    tree: BenchTree = BenchTree(),
     *,
-    num_thoughts: int = 4,
-    num_answers: int = 4,
-    max_thought_tokens: int = RolloutConfig.max_thought_tokens,
-    max_answer_tokens: int = RolloutConfig.max_answer_tokens,
     micro_batch_rows: int = TrainConfig.micro_batch_rows,
-    repeats: int = 3,
-    warmup: int = 1,
-    seed: int = 0,
 ) -> dict:
     """Time the log-probs + backward of one step's B*K*M training rows (one K x M tree sampled per prompt, then
     fixed) two ways, interleaved a, b, b, a, ...: (a) ``shared``: ``shared_prefix_logprobs`` as the trainer runs
@@ -347,6 +345,7 @@ def bench_train(
     does). Micro-batches of ``micro_batch_rows`` rows in the trainer's row order; the vision tower frozen as in
     the default run. Both backpropagate the same weighted sum of log-probs, and their log-probs and gradients
     are compared."""
+    num_thoughts, num_answers, max_thought_tokens, max_answer_tokens, repeats, warmup, seed = dataclasses.astuple(tree)
     settings = SamplingSettings(
         temperature=1.0,
         max_thought_tokens=max_thought_tokens,
@@ -376,8 +375,10 @@ def bench_train(
                 )
             else:
                 lp = sequence_logprobs(policy, prompts, row_prompt[rows], completions[rows], temperature=1.0)
-            (lp * weights[rows, : lp.shape[1]]).sum().backward()
-            chunks.append(torch.nn.functional.pad(lp.detach(), (0, width - lp.shape[1])))
+            (lp * weights[rows, : lp.shape[1]].to(lp.device)).sum().backward()
+            chunks.append(torch.nn.functional.pad(lp.detach().float(), (0, width - lp.shape[1])))
+        if torch.cuda.is_available() and policy.device.type == "cuda":
+            torch.cuda.synchronize(policy.device)  # the backward kernels queued, not run yet, count too
         seconds = time.perf_counter() - started
         return seconds, torch.cat(chunks), [p.grad.clone() for p in params]
 
@@ -411,7 +412,7 @@ def bench_train(
         "tokens_encoded_shared": encoded_shared,
         "tokens_encoded_reencode": encoded_reencode,
         "logprob_max_abs_diff": float((shared_lp - full_lp).abs().max()),
-        "grad_max_abs_diff_relative": max(float((a - b).abs().max()) for a, b in zip(shared_grads, full_grads, strict=True))
+        "grad_max_abs_diff_relative": max(float((a.float() - b.float()).abs().max()) for a, b in zip(shared_grads, full_grads, strict=True))
         / grad_scale,
     }
     for path in times:
@@ -475,7 +476,7 @@ def rollout_main(args: argparse.Namespace) -> list[dict]:
 
     def measure(name: str, policy: Policy, prompts: list[EncodedPrompt]) -> dict:
         started = time.perf_counter()
-        result = bench_rollout(policy, prompts, **_shared_settings(args))
+        result = bench_rollout(policy, prompts, _shared_settings(args))
         result["weights"] = "warm-started" if name == EMBEDDED else "untrained"
         result["bench_wall_s"] = time.perf_counter() - started
         result["torch_threads"] = torch.get_num_threads()
@@ -512,9 +513,9 @@ def _check_models(args: argparse.Namespace) -> list[str]:
     return names
 
 
-def _shared_settings(args: argparse.Namespace) -> dict:
+def _shared_settings(args: argparse.Namespace) -> BenchTree:
     """The tree and repeat settings both benchmarks take from the command line."""
-    return dict(
+    return BenchTree(
         num_thoughts=args.thoughts,
         num_answers=args.answers,
         max_thought_tokens=args.thought_tokens,
@@ -558,7 +559,7 @@ def train_main(args: argparse.Namespace) -> list[dict]:
 
     def measure(name: str, policy: Policy, prompts: list[EncodedPrompt]) -> dict:
         lora.freeze_vision(policy.model)  # as the default run trains
-        return bench_train(policy, prompts, micro_batch_rows=args.micro_batch_rows, **_shared_settings(args))
+        return bench_train(policy, prompts, _shared_settings(args), micro_batch_rows=args.micro_batch_rows)
 
     rows = _each_model(names, args, measure)
     print()

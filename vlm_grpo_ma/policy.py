@@ -635,8 +635,9 @@ def sample_tree(
 
 
 class CompletionScorer(torch.nn.Module):
-    """``completion_logprobs`` as one module call, for training: data-parallel wrappers (DDP through
-    ``accelerator.prepare``) see the whole forward, vision tower included, and synchronise its gradients."""
+    """Log-probs of training rows as one module call: data-parallel wrappers (DDP through
+    ``accelerator.prepare``, FSDP2's root unit) see the whole forward, vision tower included, and synchronise
+    its gradients."""
 
     def __init__(self, policy: Policy, *, share_prefixes: bool):
         super().__init__()
@@ -645,28 +646,13 @@ class CompletionScorer(torch.nn.Module):
         self.share_prefixes = share_prefixes
 
     def forward(self, prompts, row_prompt, completions, thought_lengths, *, temperature: float) -> torch.Tensor:
-        return completion_logprobs(
-            self._policy, prompts, row_prompt, completions, thought_lengths,
-            temperature=temperature, share_prefixes=self.share_prefixes,
-        )  # fmt: skip
-
-
-def completion_logprobs(
-    policy: Policy,
-    prompts: Sequence[EncodedPrompt],
-    row_prompt: Sequence[int],
-    completions: Sequence[Sequence[int]],
-    thought_lengths: Sequence[int],
-    *,
-    temperature: float,
-    share_prefixes: bool,
-) -> torch.Tensor:
-    """Log-probs [N, T] of training rows (a thought + answer after prompt ``row_prompt[r]``): through the KV
-    cache, each prompt and thought encoded once (``shared_prefix_logprobs``), or with ``share_prefixes`` off
-    (gradient checkpointing drops the cache) by re-encoding every row (``sequence_logprobs``). The two agree."""
-    if share_prefixes:
-        return shared_prefix_logprobs(policy, prompts, row_prompt, completions, thought_lengths, temperature=temperature)
-    return sequence_logprobs(policy, prompts, row_prompt, completions, temperature=temperature)
+        """Log-probs [N, T] of training rows (a thought + answer after prompt ``row_prompt[r]``): through the KV
+        cache, each prompt and thought encoded once (``shared_prefix_logprobs``), or with ``share_prefixes``
+        off (gradient checkpointing drops the cache) by re-encoding every row (``sequence_logprobs``). The two
+        agree."""
+        if self.share_prefixes:
+            return shared_prefix_logprobs(self._policy, prompts, row_prompt, completions, thought_lengths, temperature=temperature)
+        return sequence_logprobs(self._policy, prompts, row_prompt, completions, temperature=temperature)
 
 
 def sequence_logprobs(
@@ -746,7 +732,7 @@ def shared_prefix_logprobs(
 
     Re-encoding rows instead encodes a prompt (its image tokens included) K*M times and each thought M times;
     with the embedded model's T4A4 rows that is about 5x the tokens. transformers drops the cache under
-    gradient checkpointing, so that setting re-encodes (``completion_logprobs``).
+    gradient checkpointing, so that setting re-encodes (``CompletionScorer``).
     """
     from transformers import DynamicCache
 

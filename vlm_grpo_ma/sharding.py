@@ -16,7 +16,8 @@ patch embedding and merger). The root is the scorer, not the model: the training
 (``shared_prefix_logprobs`` / ``sequence_logprobs``) runs entirely inside ``scorer.forward``, so the root's
 pre-forward hook gathers the root parameters for the direct calls into ``model.model`` and ``lm_head``,
 and each layer's own hooks gather that layer, as in any FSDP2 model. Gradients are reduce-scattered
-(averaged over processes, as DDP averages them) after each backward.
+(averaged over processes, as DDP averages them) in the backward of each step's last micro-batch only
+(``sync_gradients``).
 
 Sampling and evaluation run outside the scorer's forward: ``gathered`` all-gathers every unit once, keeps
 them gathered for the whole rollout (no re-gather per decoded token) and frees them after.
@@ -123,9 +124,11 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return bool(fsdp_modules(module))
 
 
-def shard(scorer: torch.nn.Module, settings: FSDPSettings, device: torch.device) -> torch.nn.Module:
+def shard(scorer: torch.nn.Module, settings: FSDPSettings, device: torch.device, *, trains: bool = True) -> torch.nn.Module:
     """Shard ``scorer`` (a ``CompletionScorer``) over all processes in place and return it. Build the
-    optimizer after this: the parameters become DTensor shards."""
+    optimizer after this: the parameters become DTensor shards. ``trains=False`` (the frozen KL reference,
+    only ever run under ``no_grad``): every unit, the root included, is freed right after its forward, since
+    no backward follows to free it; so between its forwards a process holds only its shard."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -142,15 +145,16 @@ def shard(scorer: torch.nn.Module, settings: FSDPSettings, device: torch.device)
         )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     units = [m for m in model.modules() if type(m).__name__ in wanted]
+    after_forward = settings.reshard_after_forward or not trains
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
-    # the root keeps its parameters gathered from forward to backward (they are needed again at once)
-    fully_shard(scorer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=after_forward)
+    # a trained root keeps its parameters gathered from forward to backward (they are needed again at once)
+    fully_shard(scorer, mesh=mesh, reshard_after_forward=not trains)
     # Make the scorer the root now: FSDP2 makes the first unit that runs forward the root, and the rollout
     # (which runs before any training forward) calls decoder layers directly, which would make one of
     # them a root and the scorer's first forward fail. (Private method: FSDP2 has no public lazy init.)
     scorer._get_fsdp_state()._lazy_init()
-    scorer._reshard_after_forward_settings = {id(u): settings.reshard_after_forward for u in units}
+    scorer._reshard_after_forward_settings = {id(u): after_forward for u in units} | {id(scorer): not trains}
     return scorer
 
 
@@ -179,12 +183,25 @@ def gathered(module: torch.nn.Module) -> Iterator[None]:
 
 
 def sync_gradients(scorer: torch.nn.Module, now: bool) -> None:
-    """Set before a micro-batch's forward. DDP: gradients are all-reduced only in the backward of a step's
-    last micro-batch (``now``); the earlier ones accumulate locally, what DDP's ``no_sync`` does, without
-    nesting the micro-batch loop in a context. FSDP2 keeps reduce-scattering every micro-batch: holding
-    unsharded gradients until the last one would cost the memory sharding is for."""
-    if hasattr(scorer, "require_backward_grad_sync"):  # a DDP wrapper (one process: no wrapper, nothing to sync)
+    """Set before a micro-batch's forward: gradients are reduced over processes only in the backward of a
+    step's last micro-batch (``now``); the earlier micro-batches accumulate locally. DDP: what ``no_sync``
+    does, without nesting the micro-batch loop in a context. FSDP2: every unit's ``set_requires_gradient_sync``;
+    a unit then keeps its unsharded gradient (the size of its parameters) from its first backward to the last
+    micro-batch's: DDP's gradient memory during the update (between steps the gradients are shards again), for
+    reductions that no longer grow with the number of micro-batches.
+
+    What the last backward issues (``scripts/check_two_process.py --strategy fsdp`` counts it): one
+    reduce-scatter per unit whose forward runs once per micro-batch (the root; every unit when rows are
+    re-encoded), two per decoder layer under the tree-shared forward. That forward calls each layer several
+    times (prompt, thoughts, answers); FSDP2 runs its post-backward once per call, the parameters' gradients
+    arrive before the last of them, and the first one finds the gradient accumulated by the earlier
+    micro-batches and reduces it early. Making that one reduction too needs FSDP2's private per-group state
+    (a gradient-arrival hook that sets ``reduce_grads``), which could not be checked on NCCL here.
+    One process: no wrapper, nothing to sync."""
+    if hasattr(scorer, "require_backward_grad_sync"):  # a DDP wrapper
         scorer.require_backward_grad_sync = now
+    elif isinstance(scorer, _fsdp_module_class()):  # the FSDP root: recurse sets every unit below it
+        scorer.set_requires_gradient_sync(now, recurse=True)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -217,9 +234,10 @@ def clip_grad_norm_(parameters, max_norm: float) -> float:
     return total
 
 
-def state_bytes(model: torch.nn.Module, optimizer, rank: int) -> dict[str, float]:
+def state_bytes(model: torch.nn.Module, optimizer, rank: int, reference: torch.nn.Module | None = None) -> dict[str, float]:
     """What this process holds of the model's parameters, gradients and optimizer state, in bytes:
-    ``memory/rank<r>_{parameter,gradient,optimizer}_bytes`` (shards under FSDP, everything under DDP)."""
+    ``memory/rank<r>_{parameter,gradient,optimizer}_bytes`` (shards under FSDP, everything under DDP); with a
+    frozen KL reference model of its own, its parameters too (``memory/rank<r>_reference_bytes``)."""
 
     def size(tensor: torch.Tensor) -> int:
         local = _local(tensor)
@@ -228,11 +246,14 @@ def state_bytes(model: torch.nn.Module, optimizer, rank: int) -> dict[str, float
     params = list(model.parameters())
     optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
     optimizer_bytes = sum(size(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
-    return {
+    held = {
         f"memory/rank{rank}_parameter_bytes": float(sum(size(p) for p in params)),
         f"memory/rank{rank}_gradient_bytes": float(sum(size(p.grad) for p in params if p.grad is not None)),
         f"memory/rank{rank}_optimizer_bytes": float(optimizer_bytes),
     }
+    if reference is not None:
+        held[f"memory/rank{rank}_reference_bytes"] = float(sum(size(p) for p in reference.parameters()))
+    return held
 
 
 def full_state_dict(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:

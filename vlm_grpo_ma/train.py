@@ -149,7 +149,7 @@ def update_policy(
     for iteration in range(cfg.algorithm.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         for index, micro in enumerate(micro_batches):
-            sharding.sync_gradients(scorer, now=index == len(micro_batches) - 1)  # DDP: one all-reduce per update
+            sharding.sync_gradients(scorer, now=index == len(micro_batches) - 1)  # one reduction per update (DDP, FSDP2)
             logprobs = score_rows(scorer, micro, prompts, accelerator, temperature)
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
@@ -357,11 +357,12 @@ def shares_prefixes(cfg: Config) -> bool:
     return not cfg.model.gradient_checkpointing
 
 
-def make_reference(policy: Policy, scorer: torch.nn.Module, cfg: Config, device):
+def make_reference(policy: Policy, scorer: torch.nn.Module, cfg: Config, device, fsdp=None):
     """``reference(micro, prompts, accelerator, temperature)`` -> log-probs of the frozen reference policy (KL
     term), or None without KL; computed by ``score_rows`` like the trained log-probs. With LoRA the reference
     is the trained scorer with its adapters switched off (no second copy in memory); otherwise a frozen copy of
-    ``model.name_or_path``, loaded as the policy was."""
+    ``model.name_or_path``, loaded as the policy was, sharded like the policy under FSDP (``fsdp``: its
+    settings) and then ``reference.module``."""
     if cfg.algorithm.kl_coef == 0:
         return None
     if policy.adapter is not None:
@@ -370,11 +371,14 @@ def make_reference(policy: Policy, scorer: torch.nn.Module, cfg: Config, device)
         frozen = load_model_policy(cfg, cfg.model.name_or_path, device)
         frozen.model.eval().requires_grad_(False)
         reference_scorer, switch = CompletionScorer(frozen, share_prefixes=shares_prefixes(cfg)), contextlib.nullcontext
+        if fsdp is not None:
+            reference_scorer = sharding.shard(reference_scorer, fsdp, device, trains=False)
 
     def reference(micro: TrainBatch, prompts, accelerator, temperature: float) -> torch.Tensor:
         with torch.no_grad(), switch():
             return score_rows(reference_scorer, micro, prompts, accelerator, temperature)
 
+    reference.module = None if reference_scorer is scorer else reference_scorer  # a model of its own
     return reference
 
 
@@ -563,7 +567,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         scorer, optimizer = accelerator.prepare(scorer, optimizer)
     else:
         optimizer = accelerator.prepare(optimizer)
-    reference = make_reference(policy, scorer, cfg, accelerator.device)
+    reference = make_reference(policy, scorer, cfg, accelerator.device, fsdp)
     if history_state is not None:
         if history_state["optimizer"] == sharding.SHARDED_OPTIMIZER:
             sharding.load_optimizer(scorer, optimizer, last)
@@ -694,7 +698,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             metrics = rollout_metrics(rollout, scored, thought_adv, answer_adv, tasks)
             metrics.update(update)
             metrics["train/grad_norm_spike_ratio"] = spikes.observe(update["train/grad_norm"])
-            metrics.update(sharding.state_bytes(policy.model, optimizer, rank))
+            metrics.update(sharding.state_bytes(policy.model, optimizer, rank, getattr(reference, "module", None)))
             metrics.update(timing_metrics(rollout, batch, time.perf_counter() - started, rollout_seconds))
             metrics.update(
                 {
