@@ -145,10 +145,10 @@ def test_invalid_yaml_names_the_file_and_line(tmp_path):
 
 
 def test_the_cli_reports_invalid_yaml_without_a_traceback(tmp_path, capsys):
-    from vlm_grpo_ma import train as train_module
+    from vlm_grpo_ma import cli
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: {steps: 3\n")
-    assert train_module.main(["--config", str(bad)]) == 2
+    assert cli.main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}:2:1: not valid YAML") and "Traceback" not in err
