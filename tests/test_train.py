@@ -403,3 +403,37 @@ def test_sgd_steps_by_learning_rate_times_gradient(untrained_tiny_dir, tmp_path,
         torch.testing.assert_close(after, before - 0.5 * grad, rtol=0, atol=1e-7)
         moved += int((after != before).any())
     assert moved > 0
+
+
+def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the_config(untrained_tiny_dir, tmp_path, monkeypatch):
+    """One step with every kind of log-prob: old ones (num_iterations=2), trained ones, and the KL reference's
+    (LoRA: adapters off). Each forward of a scorer (policy.completion_logprobs) is a call of update.score_rows:
+    3 micro-batches x (1 old + 2 trained + 2 reference). The advantages come from the configured estimator.
+    Planted and seen to fail: the reference scored by calling the scorer directly, and train() calling
+    compute_advantages with "grpo_ma" whatever the config says."""
+    from vlm_grpo_ma import policy as policy_module
+    from vlm_grpo_ma import update
+
+    calls = {"score_rows": 0, "forward": 0, "estimators": []}
+    real_score_rows, real_forward, real_advantages = update.score_rows, policy_module.completion_logprobs, train_module.compute_advantages
+
+    def counted_score_rows(*args, **kwargs):
+        calls["score_rows"] += 1
+        return real_score_rows(*args, **kwargs)
+
+    def counted_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return real_forward(*args, **kwargs)
+
+    def recorded_advantages(name, *args, **kwargs):
+        calls["estimators"].append(name)
+        return real_advantages(name, *args, **kwargs)
+
+    for module in (update, run_setup):  # update_policy's name for it, and make_reference's
+        monkeypatch.setattr(module, "score_rows", counted_score_rows)
+    monkeypatch.setattr(policy_module, "completion_logprobs", counted_forward)
+    monkeypatch.setattr(train_module, "compute_advantages", recorded_advantages)
+    train_module.train(_cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "model.lora_rank=2", "algorithm.kl_coef=0.05",
+                            "algorithm.num_iterations=2", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"))
+    assert calls["forward"] == calls["score_rows"] == 3 * (1 + 2 + 2)
+    assert calls["estimators"] == ["grpo"]
