@@ -40,6 +40,7 @@ log = logging.getLogger("vlm_grpo_ma.train")
 
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
+    """Run ``cfg``'s training; returns the summary (also written to summary.json)."""
     run = setup_run(cfg, resume=resume, overwrite=overwrite)
     policy, scorer, accelerator, counters = run.policy, run.scorer, run.accelerator, run.counters
     if run.eval_sets and run.start_step == 0:  # the start of the held-out curve: the samples of every later one
@@ -59,8 +60,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                 rollout = generate_rollout(policy, samples, prompts, num_thoughts=cfg.rollout.num_thoughts,
                                            num_answers=cfg.rollout.num_answers, settings=settings)  # fmt: skip
             rollout_seconds = time.perf_counter() - started
-            scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, truncated_thoughts=cfg.rollout.truncated_thoughts,
-                                   workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
+            scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
+                                   truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
             counters.update(sum_over_processes(accelerator, scored.counters))
             thought_adv, answer_adv = compute_advantages(
                 cfg.algorithm.advantage_estimator, scored.rewards, answer_baseline=cfg.algorithm.answer_baseline,
