@@ -140,39 +140,27 @@ def grpo_ma_advantages(
     return thought_adv, answer_adv
 
 
-def flat_grpo_advantages(
-    rewards: torch.Tensor,
-    *,
-    answer_baseline: str = "prompt",
-    scale_by_std: bool = True,
-    eps: float = 1e-6,
-    unbiased: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def flat_grpo_advantages(rewards: torch.Tensor, *, answer_baseline: str = "prompt", **numerics) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain GRPO over the tree's K*M (thought, answer) sequences: ``rewards[B, K, M]`` ->
     ``(thought_adv[B, K], answer_adv[B, K, M])``, the tree-blind baseline GRPO-MA is compared against.
 
     - ``answer_adv[b, k, m]``: ``rewards[b, k, m]`` normalised over all K*M answers of prompt b (GRPO with
-      G = K*M completions; the same as GRPO-MA's answer advantage with ``answer_baseline="prompt"``).
+      G = K*M completions: exactly GRPO-MA's answer advantage with ``answer_baseline="prompt"``, computed by it).
     - ``thought_adv[b, k]``: the mean of its M answers' advantages. In flat GRPO a thought's tokens sit in M
       sequences, each pushed by its own answer's advantage; the trainer trains a thought's tokens once
       (``batch.py``), so one advantage, the mean, gives the same gradient as weight 1/M on each of the M.
-      GRPO-MA instead normalises the thought means over the K thoughts: its thought advantage is scaled by the
-      spread of the thought means, this one by the spread of all K*M rewards.
+      GRPO-MA instead normalises the thought means over the K thoughts. Without std scaling the two are equal
+      (a thought's mean minus the prompt's mean either way); with it this one divides by the spread of all K*M
+      rewards, GRPO-MA by the spread of the K thought means.
 
-    ``answer_baseline`` must be ``"prompt"`` (flat GRPO has no per-thought baseline); it is accepted so that
-    every estimator of ``ADVANTAGE_ESTIMATORS`` takes the same arguments. With M = 1 it equals
-    ``grpo_ma_advantages(rewards, answer_baseline="prompt")`` exactly.
+    ``numerics``: ``scale_by_std``, ``eps``, ``unbiased`` as in ``grpo_ma_advantages``. ``answer_baseline`` must
+    be ``"prompt"`` (flat GRPO has no per-thought baseline); it is accepted so that every estimator of
+    ``ADVANTAGE_ESTIMATORS`` takes the same arguments. With M = 1 it equals ``grpo_ma_advantages(rewards,
+    answer_baseline="prompt")`` exactly.
     """
-    if rewards.ndim != 3:
-        raise ValueError(
-            "flat_grpo_advantages expects rewards of shape [B, K, M] (prompts, thoughts per prompt, "
-            f"answers per thought), got {tuple(rewards.shape)}"
-        )
     if answer_baseline != "prompt":
         raise ValueError(f"flat GRPO normalises every answer over its prompt; answer_baseline must be 'prompt', got {answer_baseline!r}")
-    batch, num_thoughts, num_answers = rewards.shape
-    per_prompt = rewards.reshape(batch, num_thoughts * num_answers)  # [B, K*M]
-    answer_adv = grpo_advantages(per_prompt, scale_by_std=scale_by_std, eps=eps, unbiased=unbiased).reshape(rewards.shape)
+    _, answer_adv = grpo_ma_advantages(rewards, answer_baseline="prompt", **numerics)  # [B, K, M]
     thought_adv = answer_adv.mean(dim=-1)  # [B, K]; with M = 1 an exact copy of answer_adv[..., 0]
     return thought_adv, answer_adv
 
