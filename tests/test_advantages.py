@@ -16,7 +16,14 @@ import warnings
 import pytest
 import torch
 
-from vlm_grpo_ma.advantages import group_normalize, grpo_advantages, grpo_ma_advantages
+from vlm_grpo_ma.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    flat_grpo_advantages,
+    group_normalize,
+    grpo_advantages,
+    grpo_ma_advantages,
+)
 
 F64 = torch.float64
 TOL = dict(atol=1e-12, rtol=1e-12)
@@ -305,3 +312,81 @@ def test_grpo_rejects_wrong_rank():
 def test_rejects_unknown_answer_baseline():
     with pytest.raises(ValueError, match="'prompt', 'thought'.*'answer'"):
         grpo_ma_advantages(torch.zeros(1, 2, 2), answer_baseline="answer")
+
+
+# --- the estimator registry (algorithm.advantage_estimator) ----------------------------------------------
+
+# One prompt, K = 3 thoughts x M = 2 answers: thought means {1, 0.5, 0}; the six rewards are half 1, half 0.
+TREE_REWARDS = torch.tensor([[[1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]], dtype=F64)
+SQRT15, SQRT03 = math.sqrt(1.5), math.sqrt(0.3)
+# (estimator, numerics) -> (thought_adv, answer_adv), by hand (eps = 0):
+# grpo_ma thoughts: means {1, .5, 0} - .5 = {.5, 0, -.5}; population std sqrt(1/6) -> +-sqrt(1.5); unbiased .5 -> +-1.
+# answers over all six: r - .5 = +-.5; population std .5 -> +-1; unbiased sqrt(.3) -> +-.5/sqrt(.3).
+# grpo (flat): the same answers; a thought's advantage is the mean of its two answers' -> {1, 0, -1} (population),
+# {.5, 0, -.5}/sqrt(.3) (unbiased), {.5, 0, -.5} unscaled: without std scaling the two estimators agree.
+ESTIMATOR_TABLE = [
+    ("grpo_ma", dict(scale_by_std=True, unbiased=False), [SQRT15, 0, -SQRT15], [1, 1, 1, -1, -1, -1]),
+    ("grpo_ma", dict(scale_by_std=True, unbiased=True), [1, 0, -1], [0.5 / SQRT03] * 3 + [-0.5 / SQRT03] * 3),
+    ("grpo_ma", dict(scale_by_std=False, unbiased=False), [0.5, 0, -0.5], [0.5] * 3 + [-0.5] * 3),
+    ("grpo", dict(scale_by_std=True, unbiased=False), [1, 0, -1], [1, 1, 1, -1, -1, -1]),
+    ("grpo", dict(scale_by_std=True, unbiased=True), [0.5 / SQRT03, 0, -0.5 / SQRT03], [0.5 / SQRT03] * 3 + [-0.5 / SQRT03] * 3),
+    ("grpo", dict(scale_by_std=False, unbiased=False), [0.5, 0, -0.5], [0.5] * 3 + [-0.5] * 3),
+]
+
+
+@pytest.mark.parametrize("name, numerics, thought, answer", ESTIMATOR_TABLE)
+def test_each_estimator_against_a_hand_computed_table(name, numerics, thought, answer):
+    thought_adv, answer_adv = compute_advantages(name, TREE_REWARDS, answer_baseline="prompt", eps=0.0, **numerics)
+    close(thought_adv, [thought])
+    close(answer_adv, torch.tensor(answer, dtype=F64).reshape(1, 3, 2))
+
+
+def test_the_registry_names_its_estimators_and_the_default_is_grpo_ma():
+    from vlm_grpo_ma.config import AlgorithmConfig
+
+    assert ADVANTAGE_ESTIMATORS == {"grpo_ma": grpo_ma_advantages, "grpo": flat_grpo_advantages}
+    assert AlgorithmConfig().advantage_estimator == "grpo_ma"
+
+
+def test_an_unknown_estimator_is_refused_naming_it_and_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'grpo-ma'; known: grpo_ma, grpo"):
+        compute_advantages("grpo-ma", TREE_REWARDS, answer_baseline="prompt")
+
+
+def ref_flat_grpo(rewards: list, *, scale_by_std: bool, eps: float, unbiased: bool):
+    """Flat GRPO by loops: each prompt's K*M answers normalised together; a thought gets its answers' mean."""
+    thought_adv, answer_adv = [], []
+    for prompt in rewards:
+        num_answers = len(prompt[0])
+        flat = ref_normalize([r for thought in prompt for r in thought], scale_by_std=scale_by_std, eps=eps, unbiased=unbiased)
+        answers = [flat[k * num_answers : (k + 1) * num_answers] for k in range(len(prompt))]
+        answer_adv.append(answers)
+        thought_adv.append([math.fsum(a) / num_answers for a in answers])
+    return thought_adv, answer_adv
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_flat_grpo_matches_loop_reference(shape, kind):
+    generator = torch.Generator().manual_seed(100 + 10 * SHAPES.index(shape) + KINDS.index(kind))
+    rewards = random_rewards(kind, shape, generator)
+    for scale_by_std, unbiased, eps in itertools.product([True, False], [False, True], [1e-6, 0.0]):
+        kw = dict(scale_by_std=scale_by_std, eps=eps, unbiased=unbiased)
+        thought_adv, answer_adv = flat_grpo_advantages(rewards, answer_baseline="prompt", **kw)
+        ref_thought, ref_answer = ref_flat_grpo(rewards.tolist(), **kw)
+        assert thought_adv.shape == shape[:2] and answer_adv.shape == shape
+        close(thought_adv, ref_thought)
+        close(answer_adv, ref_answer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_with_one_answer_per_thought_both_estimators_are_plain_grpo_exactly(dtype):
+    rewards = torch.rand(5, 6, 1, generator=torch.Generator().manual_seed(7), dtype=dtype)
+    ma_thought, ma_answer = grpo_ma_advantages(rewards, answer_baseline="prompt")
+    flat_thought, flat_answer = flat_grpo_advantages(rewards)
+    assert torch.equal(flat_thought, ma_thought) and torch.equal(flat_answer, ma_answer)
+
+
+def test_flat_grpo_has_no_thought_baseline():
+    with pytest.raises(ValueError, match="answer_baseline must be 'prompt', got 'thought'"):
+        flat_grpo_advantages(TREE_REWARDS, answer_baseline="thought")

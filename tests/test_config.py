@@ -32,6 +32,7 @@ def test_nested_dict_override():
         ("rollout.num_answer=4", "unknown config key rollout.num_answer; valid keys: num_thoughts, num_answers"),
         ("rollouts.num_answers=4", "unknown config section 'rollouts'; valid sections: model, rollout"),
         ("algorithm.answer_baseline=group", "algorithm.answer_baseline='group' is not valid; choose one of: prompt, thought"),
+        ("algorithm.advantage_estimator=ppo", "algorithm.advantage_estimator='ppo' is not valid; choose one of: grpo_ma, grpo"),
         ("model.dtype=fp8", "model.dtype='fp8' is not valid; choose one of: float32, bfloat16, float16"),
         ("rollout.num_answers=0", "rollout.num_answers=0 must be > 0"),
         ("rollout.num_answers=two", "rollout.num_answers='two' must be an integer"),
@@ -54,6 +55,13 @@ def test_thought_baseline_needs_several_answers():
     # the default baseline is "thought": asking for plain GRPO by overrides alone names the setting to add
     with pytest.raises(ConfigError, match="set algorithm.answer_baseline=prompt"):
         load_config(None, ["rollout.num_answers=1", "rollout.num_thoughts=16"])
+
+
+def test_flat_grpo_needs_the_prompt_baseline():
+    with pytest.raises(ConfigError, match="advantage_estimator=grpo normalises .* set algorithm.answer_baseline=prompt .it is 'thought'"):
+        load_config(None, ["algorithm.advantage_estimator=grpo"])
+    cfg = load_config(None, ["algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"])
+    assert cfg.algorithm.advantage_estimator == "grpo"
 
 
 def test_missing_config_file(tmp_path):
@@ -145,10 +153,10 @@ def test_invalid_yaml_names_the_file_and_line(tmp_path):
 
 
 def test_the_cli_reports_invalid_yaml_without_a_traceback(tmp_path, capsys):
-    from vlm_grpo_ma import train as train_module
+    from vlm_grpo_ma import cli
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: {steps: 3\n")
-    assert train_module.main(["--config", str(bad)]) == 2
+    assert cli.main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}:2:1: not valid YAML") and "Traceback" not in err

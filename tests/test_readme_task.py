@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from vlm_grpo_ma import cli
 from vlm_grpo_ma import evaluate as ev
-from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma.registry import Completion, get_task, import_task_modules
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -38,7 +38,7 @@ def test_the_example_task_loads_and_scores(task_file):
 
 def test_the_example_task_trains_and_evaluates_from_the_command_line(task_file, untrained_tiny_dir, tmp_path):
     run = tmp_path / "run"
-    code = train_module.main([
+    code = cli.main([
         "--task", "count_shapes", f"data.task_modules=[{task_file}]", f"model.name_or_path={untrained_tiny_dir}",
         f"train.output_dir={run}", "train.steps=1", "train.prompts_per_step=2", "rollout.num_thoughts=2",
         "rollout.num_answers=2", "rollout.max_thought_tokens=6", "rollout.max_answer_tokens=4",

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from tasks import grounding
 from vlm_grpo_ma.task_api import read_rows
 from vlm_grpo_ma import train as train_module
+from vlm_grpo_ma import update as update_module
 from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
 from vlm_grpo_ma.data import PromptStream, TaskMixture
 from vlm_grpo_ma.policy import ImageLoadError, open_image
@@ -332,7 +333,7 @@ def test_a_resumed_run_replaces_its_relogged_steps_in_tensorboard(tmp_path):
 def test_a_non_finite_gradient_stops_before_the_optimiser_step_and_keeps_the_steps_done(untrained_tiny_dir, tmp_path, monkeypatch):
     """A NaN loss at step 3 is caught before the optimiser step: the weights are still step 2's, so the crash
     path checkpoints step 2 (checkpoint_every=100: nothing was saved before) instead of losing it."""
-    real_loss = train_module.policy_loss
+    real_loss = update_module.policy_loss
     calls = {"n": 0}
 
     def nan_at_step_3(*args, **kwargs):
@@ -340,7 +341,7 @@ def test_a_non_finite_gradient_stops_before_the_optimiser_step_and_keeps_the_ste
         calls["n"] += 1
         return (loss * float("nan"), stats) if calls["n"] > 2 * 3 else (loss, stats)  # 3 micro-batches a step
 
-    monkeypatch.setattr(train_module, "policy_loss", nan_at_step_3)
+    monkeypatch.setattr(update_module, "policy_loss", nan_at_step_3)
     run = tmp_path / "run"
     with pytest.raises(NonFiniteError, match=r"train/(loss|grad_norm) = nan is not finite .*before the optimiser step"):
         train_module.train(_cfg(untrained_tiny_dir, run, "train.checkpoint_every=100"))

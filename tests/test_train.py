@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_run_config
 from safetensors.torch import load_file
 
+from vlm_grpo_ma import cli, distributed, run_setup
 from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
 from vlm_grpo_ma.config import ConfigError, load_config
@@ -22,6 +23,21 @@ def _cfg(model_dir, out_dir, *extra):
 
 def _weights(checkpoint):
     return load_file(checkpoint / "model" / "model.safetensors")
+
+
+def _crash_the_update_of_step_3(monkeypatch):
+    """Makes train()'s third update raise before it runs; returns the real update_policy to put back."""
+    real_update = train_module.update_policy
+    calls = {"n": 0}
+
+    def failing_update(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated crash in step 3")
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "update_policy", failing_update)
+    return real_update
 
 
 def test_run_writes_its_outputs(untrained_tiny_dir, tmp_path):
@@ -69,16 +85,7 @@ def test_crash_keeps_progress_and_resume_is_exact(untrained_tiny_dir, tmp_path, 
     task = ("data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]")
     train_module.train(_cfg(untrained_tiny_dir, straight_dir, "train.checkpoint_every=100", *task))
 
-    real_update = train_module.update_policy
-    calls = {"n": 0}
-
-    def failing_update(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated crash in step 3")
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "update_policy", failing_update)
+    real_update = _crash_the_update_of_step_3(monkeypatch)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train_module.train(_cfg(untrained_tiny_dir, crashed_dir, "train.checkpoint_every=100", *task))
     assert [p.name for p in list_checkpoints(crashed_dir)] == ["step-000002"]  # saved on the way down
@@ -97,13 +104,13 @@ def test_crash_keeps_progress_and_resume_is_exact(untrained_tiny_dir, tmp_path, 
 
 
 def test_cli_rejects_a_bad_value_before_loading_anything(capsys):
-    code = train_module.main(["--task", "grounding", "rollout.num_answers=0"])
+    code = cli.main(["--task", "grounding", "rollout.num_answers=0"])
     assert code == 2
     assert "rollout.num_answers=0 must be > 0" in capsys.readouterr().err
 
 
 def test_cli_rejects_an_unknown_task(capsys):
-    code = train_module.main(["--task", "groundin"])
+    code = cli.main(["--task", "groundin"])
     assert code == 2
     err = capsys.readouterr().err
     assert "unknown task 'groundin'; known tasks:" in err and "grounding" in err
@@ -124,10 +131,10 @@ def test_reused_rollouts_and_kl_to_the_reference(untrained_tiny_dir, tmp_path):
 
 
 def test_cli_names_a_missing_data_file_and_a_missing_model(tmp_path, capsys):
-    code = train_module.main(["--task", "grounding", f"data.source={tmp_path}/nope.parquet", f"train.output_dir={tmp_path}/r"])
+    code = cli.main(["--task", "grounding", f"data.source={tmp_path}/nope.parquet", f"train.output_dir={tmp_path}/r"])
     assert code == 2
     assert "data.source=" in capsys.readouterr().err
-    code = train_module.main(["--task", "grounding", f"model.name_or_path={tmp_path}/no-model", f"train.output_dir={tmp_path}/r"])
+    code = cli.main(["--task", "grounding", f"model.name_or_path={tmp_path}/no-model", f"train.output_dir={tmp_path}/r"])
     assert code == 2
     assert "no such local folder" in capsys.readouterr().err
 
@@ -150,7 +157,7 @@ def test_task_mixture_scores_each_prompt_by_its_own_task_and_logs_per_task(untra
 
 
 def test_task_flag_and_mixture_together_are_refused(capsys):
-    assert train_module.main(["--task", "grounding", "data.tasks={grounding: 1}"]) == 2
+    assert cli.main(["--task", "grounding", "data.tasks={grounding: 1}"]) == 2
     assert "both name the tasks" in capsys.readouterr().err
 
 
@@ -210,16 +217,7 @@ def test_lora_trains_adapters_only_resumes_exactly_and_uses_the_adapter_free_mod
     assert visual and all(torch.equal(state[n].detach(), start[n]) for n in visual if n in start)
 
     # crash in step 3, resume: the same adapter weights as the straight run
-    real_update = train_module.update_policy
-    calls = {"n": 0}
-
-    def failing_update(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("simulated crash in step 3")
-        return real_update(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "update_policy", failing_update)
+    real_update = _crash_the_update_of_step_3(monkeypatch)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train_module.train(_cfg(untrained_tiny_dir, crashed_dir, *lora_args))
     monkeypatch.setattr(train_module, "update_policy", real_update)
@@ -261,7 +259,7 @@ def test_a_crash_after_the_weights_moved_does_not_checkpoint_a_half_step(untrain
 
 
 def test_overrides_may_sit_between_options(tmp_path, capsys):
-    code = train_module.main(["--task", "grounding", "train.steps=0", "--output-dir", str(tmp_path / "r"), "logging.log_every=1"])
+    code = cli.main(["--task", "grounding", "train.steps=0", "--output-dir", str(tmp_path / "r"), "logging.log_every=1"])
     assert code == 2 and "train.steps=0 must be > 0" in capsys.readouterr().err  # parsed, then validated
 
 
@@ -275,7 +273,7 @@ def test_deepspeed_is_refused_at_start_naming_what_runs(monkeypatch):
 
     monkeypatch.setattr(accelerate, "Accelerator", DeepSpeedAccelerator)
     with pytest.raises(ConfigError, match="DEEPSPEED is not supported; use FSDP2 .*fsdp.yaml.* or data parallelism"):
-        train_module.make_accelerator(load_config(None, []))
+        distributed.make_accelerator(load_config(None, []))
 
 
 def test_an_fsdp_launch_gets_a_plain_accelerator_the_trainer_shards_for(monkeypatch):
@@ -297,12 +295,12 @@ def test_an_fsdp_launch_gets_a_plain_accelerator_the_trainer_shards_for(monkeypa
         return real(**kwargs)
 
     monkeypatch.setattr(accelerate, "Accelerator", recording_accelerator)
-    accelerator = train_module.make_accelerator(load_config(None, []))
+    accelerator = distributed.make_accelerator(load_config(None, []))
     assert seen == [None] and accelerator.distributed_type.value != "FSDP"
     assert os.environ["ACCELERATE_USE_FSDP"] == "true"  # restored for whoever reads it next
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="fsdp_version: 1 .* fsdp_version: 2"):
-        train_module.make_accelerator(load_config(None, []))
+        distributed.make_accelerator(load_config(None, []))
 
 
 def test_a_fresh_run_refuses_a_directory_holding_a_run_unless_told(untrained_tiny_dir, tmp_path, capsys):
@@ -310,16 +308,16 @@ def test_a_fresh_run_refuses_a_directory_holding_a_run_unless_told(untrained_tin
     args = ["--task", "grounding", f"model.name_or_path={untrained_tiny_dir}", "--output-dir", str(run), "train.steps=1",
             "train.prompts_per_step=1", "rollout.num_thoughts=2", "rollout.num_answers=2", "rollout.max_thought_tokens=4",
             "rollout.max_answer_tokens=4", "train.eval_every=0", "logging.progress_bar=false", "logging.tensorboard=false"]
-    assert train_module.main(args) == 0
+    assert cli.main(args) == 0
     first = (run / "metrics.jsonl").read_text()
     capsys.readouterr()
-    assert train_module.main(args) == 2  # would have appended to the first run's metrics
+    assert cli.main(args) == 2  # would have appended to the first run's metrics
     err = capsys.readouterr().err
     assert f"train.output_dir={run} already holds a run (checkpoints, metrics.jsonl" in err and "--resume" in err
     assert (run / "metrics.jsonl").read_text() == first
-    assert train_module.main([*args, "--overwrite"]) == 0
+    assert cli.main([*args, "--overwrite"]) == 0
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1  # the new run's step only
-    assert train_module.main([*args, "--overwrite", "--resume"]) == 2
+    assert cli.main([*args, "--overwrite", "--resume"]) == 2
     assert "give one" in capsys.readouterr().err
 
 
@@ -331,7 +329,7 @@ def test_the_shared_prefix_forward_and_the_reencoding_one_train_alike(untrained_
     for name, checkpointing in (("shared", "false"), ("reencode", "true")):
         cfg = _cfg(untrained_tiny_dir, tmp_path / name, "train.steps=1", "data.task=answer_length",
                    f"data.task_modules=[{LENGTH_TASK}]", f"model.gradient_checkpointing={checkpointing}")
-        assert train_module.shares_prefixes(cfg) == (name == "shared")
+        assert run_setup.shares_prefixes(cfg) == (name == "shared")
         train_module.train(cfg)
         records[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
     shared, reencode = records["shared"], records["reencode"]
@@ -405,3 +403,37 @@ def test_sgd_steps_by_learning_rate_times_gradient(untrained_tiny_dir, tmp_path,
         torch.testing.assert_close(after, before - 0.5 * grad, rtol=0, atol=1e-7)
         moved += int((after != before).any())
     assert moved > 0
+
+
+def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the_config(untrained_tiny_dir, tmp_path, monkeypatch):
+    """One step with every kind of log-prob: old ones (num_iterations=2), trained ones, and the KL reference's
+    (LoRA: adapters off). Each forward of a scorer (policy.completion_logprobs) is a call of update.score_rows:
+    3 micro-batches x (1 old + 2 trained + 2 reference). The advantages come from the configured estimator.
+    Planted and seen to fail: the reference scored by calling the scorer directly, and train() calling
+    compute_advantages with "grpo_ma" whatever the config says."""
+    from vlm_grpo_ma import policy as policy_module
+    from vlm_grpo_ma import update
+
+    calls = {"score_rows": 0, "forward": 0, "estimators": []}
+    real_score_rows, real_forward, real_advantages = update.score_rows, policy_module.completion_logprobs, train_module.compute_advantages
+
+    def counted_score_rows(*args, **kwargs):
+        calls["score_rows"] += 1
+        return real_score_rows(*args, **kwargs)
+
+    def counted_forward(*args, **kwargs):
+        calls["forward"] += 1
+        return real_forward(*args, **kwargs)
+
+    def recorded_advantages(name, *args, **kwargs):
+        calls["estimators"].append(name)
+        return real_advantages(name, *args, **kwargs)
+
+    for module in (update, run_setup):  # update_policy's name for it, and make_reference's
+        monkeypatch.setattr(module, "score_rows", counted_score_rows)
+    monkeypatch.setattr(policy_module, "completion_logprobs", counted_forward)
+    monkeypatch.setattr(train_module, "compute_advantages", recorded_advantages)
+    train_module.train(_cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "model.lora_rank=2", "algorithm.kl_coef=0.05",
+                            "algorithm.num_iterations=2", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"))
+    assert calls["forward"] == calls["score_rows"] == 3 * (1 + 2 + 2)
+    assert calls["estimators"] == ["grpo"]

@@ -6,6 +6,10 @@ Pure tensor functions; nothing here knows about models, tokens or configs. Shape
 - GRPO: ``rewards[B, G]`` -> ``advantages[B, G]`` (``G`` completions per prompt).
 - GRPO-MA: ``rewards[B, K, M]`` -> ``thought_adv[B, K]``, ``answer_adv[B, K, M]``.
 
+The trainer picks an estimator by name (``algorithm.advantage_estimator``, ``ADVANTAGE_ESTIMATORS``):
+``grpo_ma`` (``grpo_ma_advantages``, the default) or ``grpo`` (``flat_grpo_advantages``: plain GRPO over the
+tree's K*M sequences, blind to which answers share a thought).
+
 The thought advantage normalises each thought's *mean* answer reward over the K thoughts of its prompt; its
 variance falls like 1/M (the point of the paper). The answer advantage normalises each answer's own reward,
 over all K*M answers of the prompt ("prompt") or over the M answers of its thought ("thought"). With M = 1 and
@@ -17,6 +21,8 @@ gradient, but nothing prevents one either).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -132,3 +138,43 @@ def grpo_ma_advantages(
     else:
         answer_adv = group_normalize(rewards, dim=-1, **numerics)  # [B, K, M]
     return thought_adv, answer_adv
+
+
+def flat_grpo_advantages(rewards: torch.Tensor, *, answer_baseline: str = "prompt", **numerics) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain GRPO over the tree's K*M (thought, answer) sequences: ``rewards[B, K, M]`` ->
+    ``(thought_adv[B, K], answer_adv[B, K, M])``, the tree-blind baseline GRPO-MA is compared against.
+
+    - ``answer_adv[b, k, m]``: ``rewards[b, k, m]`` normalised over all K*M answers of prompt b (GRPO with
+      G = K*M completions: exactly GRPO-MA's answer advantage with ``answer_baseline="prompt"``, computed by it).
+    - ``thought_adv[b, k]``: the mean of its M answers' advantages. In flat GRPO a thought's tokens sit in M
+      sequences, each pushed by its own answer's advantage; the trainer trains a thought's tokens once
+      (``batch.py``), so one advantage, the mean, gives the same gradient as weight 1/M on each of the M.
+      GRPO-MA instead normalises the thought means over the K thoughts. Without std scaling the two are equal
+      (a thought's mean minus the prompt's mean either way); with it this one divides by the spread of all K*M
+      rewards, GRPO-MA by the spread of the K thought means.
+
+    ``numerics``: ``scale_by_std``, ``eps``, ``unbiased`` as in ``grpo_ma_advantages``. ``answer_baseline`` must
+    be ``"prompt"`` (flat GRPO has no per-thought baseline); it is accepted so that every estimator of
+    ``ADVANTAGE_ESTIMATORS`` takes the same arguments. With M = 1 it equals ``grpo_ma_advantages(rewards,
+    answer_baseline="prompt")`` exactly.
+    """
+    if answer_baseline != "prompt":
+        raise ValueError(f"flat GRPO normalises every answer over its prompt; answer_baseline must be 'prompt', got {answer_baseline!r}")
+    _, answer_adv = grpo_ma_advantages(rewards, answer_baseline="prompt", **numerics)  # [B, K, M]
+    thought_adv = answer_adv.mean(dim=-1)  # [B, K]; with M = 1 an exact copy of answer_adv[..., 0]
+    return thought_adv, answer_adv
+
+
+# Chosen by ``algorithm.advantage_estimator``. Every estimator maps rewards[B, K, M] and the same named numerics
+# (answer_baseline, scale_by_std, eps, unbiased) to (thought_adv[B, K], answer_adv[B, K, M]).
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "grpo_ma": grpo_ma_advantages,
+    "grpo": flat_grpo_advantages,
+}
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, **numerics) -> tuple[torch.Tensor, torch.Tensor]:
+    """The advantages of estimator ``name`` (see ``ADVANTAGE_ESTIMATORS``); an unknown name lists the known ones."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name](rewards, **numerics)
