@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_grpo_ma.bench import BenchTree, bench_prompts, bench_rollout, load_bench_policy, reencode_answers, run_branched
+from vlm_grpo_ma.bench import (
+    BenchTree,
+    bench_prompts,
+    bench_rollout,
+    load_bench_policy,
+    reencode_answers,
+    run_branched,
+)
 from vlm_grpo_ma.policy import SamplingSettings, _policy_logprobs, prompt_generators
 
 K, M = 2, 2

@@ -18,7 +18,6 @@ from conftest import TINY_RUN, tiny_run_config
 from safetensors.torch import load_file
 
 from tasks import grounding
-from vlm_grpo_ma.task_api import read_rows
 from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma import update as update_module
 from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
@@ -26,6 +25,7 @@ from vlm_grpo_ma.data import PromptStream, TaskMixture
 from vlm_grpo_ma.policy import ImageLoadError, open_image
 from vlm_grpo_ma.registry import count_load_skips
 from vlm_grpo_ma.survive import NonFiniteError
+from vlm_grpo_ma.task_api import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTH_TASK = str(ROOT / "tests" / "fixtures" / "answer_length_task.py")

@@ -35,9 +35,9 @@ def test_the_embedded_model_localises_the_referred_object():
     the image centre (what a model that ignores the image can best do), and other images move its boxes."""
     import dataclasses
 
-    from vlm_grpo_ma.task_api import iou
     from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
     from vlm_grpo_ma.registry import get_task
+    from vlm_grpo_ma.task_api import iou
 
     policy = load_policy("tiny")
     task = get_task("grounding")
