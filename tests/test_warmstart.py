@@ -10,6 +10,7 @@ from vlm_grpo_ma.warmstart import (
     SceneStream,
     TokenHeads,
     load_scene_generator,
+    loosened,
     scene_vocabulary,
     supervised_step,
     target_text,
@@ -93,3 +94,24 @@ def test_target_text_writes_the_box_in_the_models_frame(tiny_policy):
     text = target_text(tiny_policy, sample, input_size=(84, 84), original_size=(168, 168))
     x1, y1, x2, y2 = (round(v / 2) for v in sample.answer)  # Qwen2.5-VL: pixels of the 84 px input
     assert text == f"<think>{sample.meta['reference_thought']}</think><answer>[{x1},{y1},{x2},{y2}]</answer>"
+
+
+@pytest.mark.parametrize(
+    ("box", "margin", "loose"),
+    [
+        ([50, 60, 80, 100], 10, [40.0, 50.0, 90.0, 110.0]),  # grown on every side
+        ([5, 2, 30, 40], 10, [0.0, 0.0, 40.0, 50.0]),  # clipped at the top-left corner
+        ([140, 150, 165, 168], 10, [130.0, 140.0, 168.0, 168.0]),  # and at the bottom-right (168 px image)
+        ([50, 60, 80, 100], 0, [50.0, 60.0, 80.0, 100.0]),
+    ],
+)
+def test_loose_labels_grow_the_box_inside_the_image(box, margin, loose):
+    assert loosened(box, margin, 168, 168) == loose
+
+
+def test_target_text_with_a_margin_writes_the_loose_box(tiny_policy):
+    sample = SceneStream(8).take(1)[0].sample
+    text = target_text(tiny_policy, sample, input_size=(168, 168), original_size=(168, 168), box_margin=10)
+    x1, y1, x2, y2 = loosened(sample.answer, 10, 168, 168)
+    assert text.endswith(f"<answer>[{round(x1)},{round(y1)},{round(x2)},{round(y2)}]</answer>")
+    assert sample.answer[0] - x1 == 10 or x1 == 0  # the label really is looser than the truth

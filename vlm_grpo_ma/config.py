@@ -32,8 +32,7 @@ class ModelConfig:
     min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
     max_pixels: int | None = None
     gradient_checkpointing: bool = False
-    # keep the vision tower (and its merger) fixed; train the language model only. On for the embedded model,
-    # whose tower the warm start trained with its own per-token objective; full fine-tuning presets set it false.
+    # keep the vision tower (and its merger) fixed and train the language model only; false trains it too
     freeze_vision: bool = True
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of all weights
     lora_alpha: float = 32.0
@@ -67,10 +66,9 @@ class AlgorithmConfig:
     # group. grpo: plain GRPO over the K*M (thought, answer) sequences, each answer normalised over the prompt's
     # K*M answers and a thought pushed by the mean of its answers' advantages (needs answer_baseline=prompt).
     advantage_estimator: str = "grpo_ma"
-    # "thought": normalise each answer's reward over its thought's M answers, so answer tokens are pushed only by
-    # what they control (the thought's quality goes to the thought tokens); "prompt": over the prompt's K*M
-    # answers. On the embedded run "thought" learned more (IoU gain 0.058 vs 0.051 over the same prompts) and
-    # kept the greedy held-out IoU (0.351 -> 0.352; "prompt": -> 0.315). Needs M >= 2; M = 1 (GRPO) takes "prompt".
+    # The group an answer's reward is normalised over. "thought": its thought's M answers, so answer tokens are
+    # pushed only by what they control (the thought's quality goes to the thought tokens); "prompt": the
+    # prompt's K*M answers. "thought" needs M >= 2; M = 1 (GRPO) takes "prompt".
     answer_baseline: str = "thought"
     scale_by_std: bool = True
     std_unbiased: bool = False
@@ -102,11 +100,9 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 250
+    steps: int = 400  # optimizer steps (one rollout of prompts_per_step prompts each)
     prompts_per_step: int = 16  # B; rows per step = B * K * M
     micro_batch_rows: int = 32  # answer rows per forward/backward
-    # The embedded run (B = 16): 2e-4. At 3e-4 its held-out IoU fell from 0.351 to 0.274 by step 125; at 4e-4 and
-    # 6e-4 its boxes collapsed to a few stock positions. (B = 4 had collapsed from 3e-4, learned at 1e-4.)
     learning_rate: float = 2e-4
     optimizer: str = "adamw"  # adamw, or sgd (plain, no momentum: used by the equivalence checks)
     weight_decay: float = 0.0
@@ -123,7 +119,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
     mixed_precision: str = "no"  # "bf16": autocast through accelerate (GPU); weights stay in model.dtype
-    eval_every: int = 125  # greedy evaluation on data.eval_split before step 1 and every N steps (0 = never)
+    eval_every: int = 100  # greedy evaluation on data.eval_split before step 1 and every N steps (0 = never)
     eval_samples: int = 100  # held-out samples per task in each evaluation
 
 

@@ -1,13 +1,15 @@
-"""The embedded default model: a ~1.5M-parameter model of the real Qwen2.5-VL architecture.
+"""The embedded default model: a 1.1M-parameter model of the real Qwen2.5-VL architecture.
 
-Three pieces, each reproducible from this file:
-- a 2,048-token byte-level BPE tokenizer trained on a corpus fixed here (``build_tokenizer``), committed as
-  ``vlm_grpo_ma/assets/tiny-qwen2.5-vl/tokenizer.json`` so it never changes with the Python version;
+Three pieces, each reproducible from this file and ``vlm_grpo_ma.warmstart``:
+- a 430-token byte-level BPE tokenizer trained on a corpus fixed here (``build_tokenizer``), committed as
+  ``tokenizer.json`` in the assets so it never changes with the Python version;
 - ``Qwen2_5_VLForConditionalGeneration`` built from a small config (``build_model``), real code path:
   window-attention vision tower, patch merger, mRoPE text decoder, the real processor and chat template;
-- warm-start weights, trained by ``python -m vlm_grpo_ma.warmstart`` (supervised, on the embedded grounding
-  train split) and committed (``model.safetensors``, ~6 MB) so the default RL run starts from a policy that
-  writes the format and gets boxes partly right: mean reward neither near 0 nor saturated.
+- warm-start weights (``model.safetensors``, 4.4 MB), in two committed folders:
+  ``TINY_EXACT_MODEL_DIR``, supervised on exact boxes (``python -m vlm_grpo_ma.warmstart``), and
+  ``TINY_MODEL_DIR``, the RL run's start: the exact model fine-tuned for 150 steps on loose boxes (every box
+  grown by 10 pixels a side; the command is in ``warmstart``'s docstring), so that the reward has something
+  real to correct on scenes it never trained on.
 
 ``python -m vlm_grpo_ma.tiny`` rebuilds the tokenizer and a randomly initialised model into the assets folder.
 """
@@ -18,6 +20,7 @@ import argparse
 from pathlib import Path
 
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-qwen2.5-vl"
+TINY_EXACT_MODEL_DIR = TINY_MODEL_DIR.with_name("tiny-qwen2.5-vl-exact")
 TINY_MODEL_NAME = "tiny"  # `model.name_or_path: tiny` selects TINY_MODEL_DIR
 
 # Qwen2/2.5 chat and vision special tokens, in the order of the real vocabulary.
