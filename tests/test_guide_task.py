@@ -1,4 +1,4 @@
-"""The README's "Add your own task" example, run as written: loaded from a file outside the package by a
+"""docs/TASKS.md's "A task on the embedded scenes" example, run as written: loaded from a file outside the package by a
 config entry, scored, trained one step and evaluated."""
 
 import json
@@ -11,12 +11,12 @@ from vlm_grpo_ma import cli
 from vlm_grpo_ma import evaluate as ev
 from vlm_grpo_ma.registry import Completion, get_task, import_task_modules
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "TASKS.md"
 
 
 @pytest.fixture(scope="module")
 def task_file(tmp_path_factory):
-    section = README.read_text().split("### Add your own task", 1)[1]
+    section = GUIDE.read_text().split("## A task on the embedded scenes", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     path = tmp_path_factory.mktemp("user") / "count_shapes.py"
     path.write_text(code)
