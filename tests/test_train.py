@@ -407,7 +407,7 @@ def test_sgd_steps_by_learning_rate_times_gradient(untrained_tiny_dir, tmp_path,
 
 def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the_config(untrained_tiny_dir, tmp_path, monkeypatch):
     """One step with every kind of log-prob: old ones (num_iterations=2), trained ones, and the KL reference's
-    (LoRA: adapters off). Each forward of a scorer (policy.completion_logprobs) is a call of update.score_rows:
+    (LoRA: adapters off). Each forward of a scorer (policy.CompletionScorer.forward) is a call of update.score_rows:
     3 micro-batches x (1 old + 2 trained + 2 reference). The advantages come from the configured estimator.
     Planted and seen to fail: the reference scored by calling the scorer directly, and train() calling
     compute_advantages with "grpo_ma" whatever the config says."""
@@ -415,7 +415,7 @@ def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the
     from vlm_grpo_ma import update
 
     calls = {"score_rows": 0, "forward": 0, "estimators": []}
-    real_score_rows, real_forward, real_advantages = update.score_rows, policy_module.completion_logprobs, train_module.compute_advantages
+    real_score_rows, real_forward, real_advantages = update.score_rows, policy_module.CompletionScorer.forward, train_module.compute_advantages
 
     def counted_score_rows(*args, **kwargs):
         calls["score_rows"] += 1
@@ -431,7 +431,7 @@ def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the
 
     for module in (update, run_setup):  # update_policy's name for it, and make_reference's
         monkeypatch.setattr(module, "score_rows", counted_score_rows)
-    monkeypatch.setattr(policy_module, "completion_logprobs", counted_forward)
+    monkeypatch.setattr(policy_module.CompletionScorer, "forward", counted_forward)
     monkeypatch.setattr(train_module, "compute_advantages", recorded_advantages)
     train_module.train(_cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "model.lora_rank=2", "algorithm.kl_coef=0.05",
                             "algorithm.num_iterations=2", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"))
