@@ -19,12 +19,12 @@ committed test split is left for evaluation).
 The two committed models (``vlm_grpo_ma.tiny``) were made by this script, each with ``--threads 1`` on this
 project's 2-core CPU machine (the output is the same to the byte when re-run so):
 
-- ``vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact``: the defaults, ``--out vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact``
-  (about 90 minutes). It stops before convergence on purpose.
+- ``vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact``: the defaults (about 90 minutes). It stops before convergence on
+  purpose.
 - ``vlm_grpo_ma/assets/tiny-qwen2.5-vl`` (``model.name_or_path: tiny``, where the RL run starts): the exact
   model, fine-tuned on **loose boxes**, ``--init vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact --vision-steps 0
-  --decoder-steps 150 --box-margin 10`` (about 4 minutes): every label box grown by 10 pixels a side (clipped to
-  the image), thoughts unchanged. Loose boxes are a common flaw of real annotations. The model learns to draw
+  --decoder-steps 150 --box-margin 10 --out vlm_grpo_ma/assets/tiny-qwen2.5-vl`` (a few minutes): every label
+  box grown by 10 pixels a side (clipped to the image), thoughts unchanged. Loose boxes are a common flaw of real annotations. The model learns to draw
   boxes about 1.6 times the true size; the IoU reward pays for the true box, so RL has a real, measurable error
   to correct on scenes it never saw, rather than only sharpening what greedy decoding already does.
 """
@@ -47,7 +47,7 @@ from vlm_grpo_ma.coords import from_original_pixels
 from vlm_grpo_ma.lora import freeze_vision, trainable_parameters, vision_tower
 from vlm_grpo_ma.policy import Policy, encode_prompt, load_policy, sequence_logprobs
 from vlm_grpo_ma.registry import Sample, get_task
-from vlm_grpo_ma.tiny import TINY_MODEL_DIR, build_untrained
+from vlm_grpo_ma.tiny import TINY_EXACT_MODEL_DIR, build_untrained
 
 GENERATOR_PATH = Path(__file__).resolve().parents[1] / "data" / "make_grounding.py"
 # Scene seeds: the committed splits use 20240101 (train) and 20240202 (test).
@@ -265,7 +265,7 @@ def _train(parameters, steps: int, learning_rate: float, step_loss, *, label: st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=TINY_MODEL_DIR)
+    parser.add_argument("--out", type=Path, default=TINY_EXACT_MODEL_DIR)
     parser.add_argument("--vision-steps", type=int, default=1500)
     parser.add_argument("--decoder-steps", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=32)
