@@ -115,3 +115,12 @@ def test_target_text_with_a_margin_writes_the_loose_box(tiny_policy):
     x1, y1, x2, y2 = loosened(sample.answer, 10, 168, 168)
     assert text.endswith(f"<answer>[{round(x1)},{round(y1)},{round(x2)},{round(y2)}]</answer>")
     assert sample.answer[0] - x1 == 10 or x1 == 0  # the label really is looser than the truth
+
+
+@pytest.mark.parametrize("margin", ["-1", "nan"])
+def test_a_negative_or_nan_margin_is_refused_before_any_work(margin, capsys):
+    from vlm_grpo_ma.warmstart import main
+
+    with pytest.raises(SystemExit):
+        main(["--box-margin", margin])
+    assert f"--box-margin must be a number of pixels >= 0, got {float(margin)}" in capsys.readouterr().err

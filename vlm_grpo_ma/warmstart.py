@@ -17,14 +17,15 @@ Every ``--eval-every`` steps it prints greedy reward and IoU on held-out generat
 committed test split is left for evaluation).
 
 The two committed models (``vlm_grpo_ma.tiny``) were made by this script, each with ``--threads 1`` on this
-project's 2-core CPU machine (the output is the same to the byte when re-run so):
+project's 2-core CPU machine:
 
 - ``vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact``: the defaults (about 90 minutes). It stops before convergence on
   purpose.
 - ``vlm_grpo_ma/assets/tiny-qwen2.5-vl`` (``model.name_or_path: tiny``, where the RL run starts): the exact
   model, fine-tuned on **loose boxes**, ``--init vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact --vision-steps 0
   --decoder-steps 150 --box-margin 10 --out vlm_grpo_ma/assets/tiny-qwen2.5-vl`` (a few minutes): every label
-  box grown by 10 pixels a side (clipped to the image), thoughts unchanged. Loose boxes are a common flaw of real annotations. The model learns to draw
+  box grown by 10 pixels a side (clipped to the image), thoughts unchanged; re-running it re-makes the
+  committed weights to the byte. Loose boxes are a common flaw of real annotations. The model learns to draw
   boxes about 1.6 times the true size; the IoU reward pays for the true box, so RL has a real, measurable error
   to correct on scenes it never saw, rather than only sharpening what greedy decoding already does.
 """
@@ -280,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--box-margin", type=float, default=0.0, help="loose labels: grow every target box by this many pixels a side")
     parser.add_argument("--init", type=Path, help="start from this model folder instead of a fresh random model")
     args = parser.parse_args(argv)
+    if not args.box_margin >= 0:
+        parser.error(f"--box-margin must be a number of pixels >= 0, got {args.box_margin}")
 
     torch.manual_seed(args.seed)
     if args.threads:
