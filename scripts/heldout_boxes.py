@@ -4,7 +4,8 @@
 Prints, per evaluated step: the mean IoU, how many thoughts match the reference thought word for word (the model
 named the right object and region), and over those, the median ratio of the predicted box's size to the true
 box's (mean of the width and height ratios; 1.0 is the true size) and the median distance between the centres.
-Reads the run's ``eval/step-N/grounding.jsonl`` and the embedded test split they were drawn from.
+Reads the run's ``eval/step-N/grounding.jsonl`` and takes the truth from the held-out samples the run
+evaluated (its ``config.yaml``: ``data.eval_split`` or ``data.eval_sources``), loaded by the grounding task.
 """
 
 from __future__ import annotations
@@ -15,19 +16,21 @@ import math
 import statistics
 from pathlib import Path
 
-TEST_SPLIT = Path(__file__).resolve().parents[1] / "data" / "grounding" / "test.jsonl"
+from vlm_grpo_ma.config import load_config
+from vlm_grpo_ma.held_out import load_eval_sets
+from vlm_grpo_ma.task_api import Sample, get_task
 
 
-def box_report(rows: list[dict], truth: dict[str, dict]) -> dict[str, float]:
+def box_report(rows: list[dict], truth: dict[str, Sample]) -> dict[str, float]:
     """Mean IoU, right thoughts, and the median size ratio and centre distance over the right thoughts."""
     sizes, centres, right = [], [], 0
     for row in rows:
-        scene = truth[row["id"]]
+        sample = truth[row["id"]]
         predicted = (row.get("prediction") or {}).get("box")
-        if predicted is None or row["thought"] != f"<think>{scene['reference_thought']}</think>":
+        if predicted is None or row["thought"] != f"<think>{sample.meta.get('reference_thought')}</think>":
             continue
         right += 1
-        x1, y1, x2, y2 = scene["box"]
+        x1, y1, x2, y2 = sample.answer
         sizes.append(((predicted[2] - predicted[0]) / (x2 - x1) + (predicted[3] - predicted[1]) / (y2 - y1)) / 2)
         centres.append(math.dist(((predicted[0] + predicted[2]) / 2, (predicted[1] + predicted[3]) / 2), ((x1 + x2) / 2, (y1 + y2) / 2)))
     return {
@@ -42,10 +45,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     args = parser.parse_args(argv)
-    truth = {row["id"]: row for row in map(json.loads, TEST_SPLIT.read_text().splitlines()) if row}
     evaluations = sorted(args.run_dir.glob("eval/step-*/grounding.jsonl"))
     if not evaluations:
         raise SystemExit(f"no held-out grounding evaluations under {args.run_dir}/eval (train.eval_every=0?)")
+    cfg = load_config(args.run_dir / "config.yaml")
+    _, samples = load_eval_sets(cfg, {"grounding": get_task("grounding")})["grounding"]
+    truth = {sample.id: sample for sample in samples}
     print("step      IoU   right thoughts   box size / true size (median)   centre distance px (median)")
     for path in evaluations:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

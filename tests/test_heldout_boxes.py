@@ -7,10 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from vlm_grpo_ma.task_api import Sample
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "heldout_boxes.py"
 spec = importlib.util.spec_from_file_location("heldout_boxes", SCRIPT)
 heldout_boxes = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(heldout_boxes)
+
+
+def scene(scene_id, box, reference_thought):
+    return Sample("grounding", scene_id, "Locate: it.", (), box, {"reference_thought": reference_thought})
 
 
 def row(scene_id, thought, box, iou):
@@ -19,8 +25,8 @@ def row(scene_id, thought, box, iou):
 
 def test_size_ratio_and_centre_distance_over_the_right_thoughts_only():
     truth = {
-        "a": {"box": [10, 10, 30, 50], "reference_thought": "the red square is at the top left"},
-        "b": {"box": [100, 100, 120, 120], "reference_thought": "the blue circle is in the centre"},
+        "a": scene("a", [10, 10, 30, 50], "the red square is at the top left"),
+        "b": scene("b", [100, 100, 120, 120], "the blue circle is in the centre"),
     }
     rows = [
         row("a", "the red square is at the top left", [0, 0, 40, 60], 0.33),  # 2x wide, 1.5x tall, same centre
@@ -34,6 +40,6 @@ def test_size_ratio_and_centre_distance_over_the_right_thoughts_only():
 
 
 def test_a_shifted_box_counts_its_centre_distance():
-    truth = {"a": {"box": [10, 10, 30, 30], "reference_thought": "t"}}
+    truth = {"a": scene("a", [10, 10, 30, 30], "t")}
     report = heldout_boxes.box_report([row("a", "t", [13, 14, 33, 34], 0.5)], truth)
     assert report["size_ratio"] == pytest.approx(1.0) and report["centre_distance"] == pytest.approx(5.0)
