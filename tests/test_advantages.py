@@ -322,15 +322,15 @@ SQRT15, SQRT03 = math.sqrt(1.5), math.sqrt(0.3)
 # (estimator, numerics) -> (thought_adv, answer_adv), by hand (eps = 0):
 # grpo_ma thoughts: means {1, .5, 0} - .5 = {.5, 0, -.5}; population std sqrt(1/6) -> +-sqrt(1.5); unbiased .5 -> +-1.
 # answers over all six: r - .5 = +-.5; population std .5 -> +-1; unbiased sqrt(.3) -> +-.5/sqrt(.3).
-# grpo (flat): the same answers; a thought's advantage is the mean of its two answers' -> {1, 0, -1} (population),
-# {.5, 0, -.5}/sqrt(.3) (unbiased), {.5, 0, -.5} unscaled: without std scaling the two estimators agree.
+# grpo (flat): the same answers; a thought's tokens carry, in each of its M sequences, that sequence's answer
+# advantage (thought_adv [B, K, M] == answer_adv).
 ESTIMATOR_TABLE = [
     ("grpo_ma", dict(scale_by_std=True, unbiased=False), [SQRT15, 0, -SQRT15], [1, 1, 1, -1, -1, -1]),
     ("grpo_ma", dict(scale_by_std=True, unbiased=True), [1, 0, -1], [0.5 / SQRT03] * 3 + [-0.5 / SQRT03] * 3),
     ("grpo_ma", dict(scale_by_std=False, unbiased=False), [0.5, 0, -0.5], [0.5] * 3 + [-0.5] * 3),
-    ("grpo", dict(scale_by_std=True, unbiased=False), [1, 0, -1], [1, 1, 1, -1, -1, -1]),
-    ("grpo", dict(scale_by_std=True, unbiased=True), [0.5 / SQRT03, 0, -0.5 / SQRT03], [0.5 / SQRT03] * 3 + [-0.5 / SQRT03] * 3),
-    ("grpo", dict(scale_by_std=False, unbiased=False), [0.5, 0, -0.5], [0.5] * 3 + [-0.5] * 3),
+    ("grpo", dict(scale_by_std=True, unbiased=False), [[1, 1], [1, -1], [-1, -1]], [1, 1, 1, -1, -1, -1]),
+    ("grpo", dict(scale_by_std=True, unbiased=True), [[0.5 / SQRT03] * 2, [0.5 / SQRT03, -0.5 / SQRT03], [-0.5 / SQRT03] * 2], [0.5 / SQRT03] * 3 + [-0.5 / SQRT03] * 3),
+    ("grpo", dict(scale_by_std=False, unbiased=False), [[0.5, 0.5], [0.5, -0.5], [-0.5, -0.5]], [0.5] * 3 + [-0.5] * 3),
 ]
 
 
@@ -354,14 +354,15 @@ def test_an_unknown_estimator_is_refused_naming_it_and_the_known_ones():
 
 
 def ref_flat_grpo(rewards: list, *, scale_by_std: bool, eps: float, unbiased: bool):
-    """Flat GRPO by loops: each prompt's K*M answers normalised together; a thought gets its answers' mean."""
+    """Flat GRPO by loops: each prompt's K*M answers normalised together; a thought's tokens in sequence (k, m)
+    get that sequence's advantage."""
     thought_adv, answer_adv = [], []
     for prompt in rewards:
         num_answers = len(prompt[0])
         flat = ref_normalize([r for thought in prompt for r in thought], scale_by_std=scale_by_std, eps=eps, unbiased=unbiased)
         answers = [flat[k * num_answers : (k + 1) * num_answers] for k in range(len(prompt))]
         answer_adv.append(answers)
-        thought_adv.append([math.fsum(a) / num_answers for a in answers])
+        thought_adv.append([list(a) for a in answers])
     return thought_adv, answer_adv
 
 
@@ -374,7 +375,7 @@ def test_flat_grpo_matches_loop_reference(shape, kind):
         kw = dict(scale_by_std=scale_by_std, eps=eps, unbiased=unbiased)
         thought_adv, answer_adv = flat_grpo_advantages(rewards, answer_baseline="prompt", **kw)
         ref_thought, ref_answer = ref_flat_grpo(rewards.tolist(), **kw)
-        assert thought_adv.shape == shape[:2] and answer_adv.shape == shape
+        assert thought_adv.shape == shape and answer_adv.shape == shape
         close(thought_adv, ref_thought)
         close(answer_adv, ref_answer)
 
@@ -384,7 +385,7 @@ def test_with_one_answer_per_thought_both_estimators_are_plain_grpo_exactly(dtyp
     rewards = torch.rand(5, 6, 1, generator=torch.Generator().manual_seed(7), dtype=dtype)
     ma_thought, ma_answer = grpo_ma_advantages(rewards, answer_baseline="prompt")
     flat_thought, flat_answer = flat_grpo_advantages(rewards)
-    assert torch.equal(flat_thought, ma_thought) and torch.equal(flat_answer, ma_answer)
+    assert torch.equal(flat_thought[..., 0], ma_thought) and torch.equal(flat_answer, ma_answer)
 
 
 def test_flat_grpo_has_no_thought_baseline():

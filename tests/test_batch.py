@@ -95,17 +95,21 @@ def test_answers_after_a_thought_that_ended_the_turn_are_not_trained_on():
 
 # ----------------------------------------------------------------------------------------------------------
 # Loss aggregation on the same tree: trained tokens are thought 0 (3), thought 1 (1: its last token is forced),
-# answers of 1, 2, 3 and 1 tokens. B = 1, K = 2, M = 2.
-TOTALS = dict(num_tokens=11, num_thoughts=2, num_answers=4)
+# answers of 1, 2, 3 and 1 tokens. B = 1, K = 2, M = 2. Sampling limits: 3 thought and 3 answer tokens.
+LIMITS = dict(max_thought_tokens=3, max_answer_tokens=3)
+TOTALS = dict(num_tokens=11, num_thoughts=2, num_answers=4, **LIMITS)
+# The flat layout (GRPO): rows of 4, 5, 4 and 2 trained tokens (each thought counted on both its rows).
+FLAT_TOTALS = dict(TOTALS, num_tokens=15)
+FLAT_THOUGHT_ADV = ANSWER_ADV.clone()  # flat GRPO: the thought's tokens carry their sequence's advantage
 
 
-def _gradient(aggregation: str, advantages_one: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _gradient(aggregation: str, *, flat: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """d loss / d logprobs at ratio 1 under ``aggregation``, with every advantage 1 (so it is -weight)."""
-    batch = build_train_batch(_rollout(), THOUGHT_ADV, ANSWER_ADV, truncated_thoughts="close")
-    weights = aggregation_weights(aggregation, batch.token_mask, batch.is_thought, **TOTALS)
+    batch = build_train_batch(_rollout(), FLAT_THOUGHT_ADV if flat else THOUGHT_ADV, ANSWER_ADV, truncated_thoughts="close")
+    totals = FLAT_TOTALS if flat else TOTALS
+    weights = aggregation_weights(aggregation, batch.token_mask, batch.is_thought, flat=batch.flat, **totals)
     logprobs = batch.sampling_logprobs.double().requires_grad_(True)
-    advantages = torch.ones_like(logprobs) if advantages_one else batch.advantages.double()
-    loss, _ = policy_loss(logprobs, logprobs.detach(), advantages, weights, clip_low=0.2, clip_high=0.28, total_weight=1.0)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), torch.ones_like(logprobs), weights, clip_low=0.2, clip_high=0.28, total_weight=1.0)
     loss.backward()
     return -logprobs.grad, batch.is_thought
 
@@ -118,37 +122,75 @@ def test_token_aggregation_gives_every_trained_token_the_same_weight():
     assert float(mass[~is_thought].sum()) == pytest.approx(7 / 11, abs=1e-15)
 
 
-def test_sequence_aggregation_averages_each_thought_and_each_answer_then_sums_the_two_parts():
+def test_sequence_aggregation_averages_each_thought_and_each_answer_then_the_two_halves():
     mass, is_thought = _gradient("sequence")
     expected = torch.tensor(
         [
-            [1 / 6, 1 / 6, 1 / 6, 1 / 4, 0],  # thought 0: 3 tokens, 1 of 2 thoughts; answer [31]: 1 of 4 answers
-            [0, 0, 0, 1 / 8, 1 / 8],  # answer [41, 42]: 2 tokens
-            [1 / 2, 0, 1 / 12, 1 / 12, 1 / 12],  # thought 1: 1 trained token (the forced one is not)
-            [0, 0, 1 / 4, 0, 0],
+            [1 / 12, 1 / 12, 1 / 12, 1 / 8, 0],  # thought 0: 3 tokens, 1 of 2 thoughts, half; answer [31]: 1 of 4 answers, half
+            [0, 0, 0, 1 / 16, 1 / 16],  # answer [41, 42]: 2 tokens
+            [1 / 4, 0, 1 / 24, 1 / 24, 1 / 24],  # thought 1: 1 trained token (the forced one is not)
+            [0, 0, 1 / 8, 0, 0],
         ],
         dtype=torch.float64,
     )
     assert torch.allclose(mass, expected, atol=1e-15, rtol=0)
-    assert float(mass[is_thought].sum()) == pytest.approx(1.0, abs=1e-15)  # half the mass, whatever M is
-    assert float(mass[~is_thought].sum()) == pytest.approx(1.0, abs=1e-15)
+    assert float(mass[is_thought].sum()) == pytest.approx(0.5, abs=1e-15)  # half the mass, whatever M is
+    assert float(mass.sum()) == pytest.approx(1.0, abs=1e-15)  # the step weighs 1, as under token
 
 
-def test_aggregation_weights_of_micro_batches_are_those_of_the_whole_batch():
-    batch = build_train_batch(_rollout(), THOUGHT_ADV, ANSWER_ADV, truncated_thoughts="close")
+def test_dr_grpo_aggregation_divides_by_the_longest_possible_sequence():
+    mass, _ = _gradient("dr_grpo")
+    thought, answer = 1 / (2 * 3 * 2), 1 / (2 * 3 * 4)  # half / (max tokens * sequences of the kind)
+    expected = torch.tensor(
+        [
+            [thought, thought, thought, answer, 0],
+            [0, 0, 0, answer, answer],
+            [thought, 0, answer, answer, answer],
+            [0, 0, answer, 0, 0],
+        ],
+        dtype=torch.float64,
+    )
+    assert torch.allclose(mass, expected, atol=1e-15, rtol=0)
+
+
+def test_flat_layout_trains_each_thought_on_every_row_with_that_rows_advantage():
+    batch = build_train_batch(_rollout(), FLAT_THOUGHT_ADV, ANSWER_ADV, truncated_thoughts="close")
+    assert batch.flat
+    assert batch.token_mask.tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 1, 1, 1], [1, 0, 1, 0, 0]]
+    assert batch.advantages.tolist() == [[1, 1, 1, 1, 0], [2, 2, 2, 2, 2], [3, 3, 3, 3, 3], [4, 4, 4, 0, 0]]
+    assert batch.num_trained_tokens() == 15
+    assert batch.rows(1, 3).flat  # micro-batches keep the layout
+
+
+def test_flat_aggregations_are_deepseekmath_dapo_and_dr_grpo_over_the_k_times_m_sequences():
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 1, 1, 1], [1, 0, 1, 0, 0]], dtype=torch.float64)
+    token, _ = _gradient("token", flat=True)
+    assert torch.allclose(token, mask / 15, atol=1e-15, rtol=0)
+    sequence, _ = _gradient("sequence", flat=True)  # 1 / (G * |o|): rows of 4, 5, 4 and 2 trained tokens
+    per_row = torch.tensor([[1 / 16], [1 / 20], [1 / 16], [1 / 8]], dtype=torch.float64)
+    assert torch.allclose(sequence, mask * per_row, atol=1e-15, rtol=0)
+    assert float(sequence.sum()) == pytest.approx(1.0, abs=1e-15)
+    dr_grpo, _ = _gradient("dr_grpo", flat=True)  # 1 / (G * (max thought + max answer tokens))
+    assert torch.allclose(dr_grpo, mask / (4 * 6), atol=1e-15, rtol=0)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_aggregation_weights_of_micro_batches_are_those_of_the_whole_batch(flat):
+    batch = build_train_batch(_rollout(), FLAT_THOUGHT_ADV if flat else THOUGHT_ADV, ANSWER_ADV, truncated_thoughts="close")
+    totals = FLAT_TOTALS if flat else TOTALS
     for name in LOSS_AGGREGATIONS:
-        whole = aggregation_weights(name, batch.token_mask, batch.is_thought, **TOTALS)
+        whole = aggregation_weights(name, batch.token_mask, batch.is_thought, flat=flat, **totals)
         parts = [batch.rows(0, 1), batch.rows(1, 3), batch.rows(3, 4)]
         for start, part in zip((0, 1, 3), parts, strict=True):
-            split = aggregation_weights(name, part.token_mask, part.is_thought, **TOTALS)
+            split = aggregation_weights(name, part.token_mask, part.is_thought, flat=flat, **totals)
             width = split.shape[1]
             assert torch.equal(split, whole[start : start + part.num_rows, :width]), name
 
 
 def test_unknown_aggregation_names_the_known_ones():
     batch = build_train_batch(_rollout(), THOUGHT_ADV, ANSWER_ADV, truncated_thoughts="close")
-    with pytest.raises(ValueError, match="unknown loss aggregation 'seq'; known: token, sequence"):
-        aggregation_weights("seq", batch.token_mask, batch.is_thought, **TOTALS)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'seq'; known: token, sequence, dr_grpo"):
+        aggregation_weights("seq", batch.token_mask, batch.is_thought, flat=False, **TOTALS)
 
 
 def test_config_choices_are_the_registered_aggregations():

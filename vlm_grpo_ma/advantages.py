@@ -8,7 +8,9 @@ Pure tensor functions; nothing here knows about models, tokens or configs. Shape
 
 The trainer picks an estimator by name (``algorithm.advantage_estimator``, ``ADVANTAGE_ESTIMATORS``):
 ``grpo_ma`` (``grpo_ma_advantages``, the default) or ``grpo`` (``flat_grpo_advantages``: plain GRPO over the
-tree's K*M sequences, blind to which answers share a thought).
+tree's K*M sequences, blind to which answers share a thought; its thought advantage is per answer, [B, K, M]).
+``scale_by_std=False`` gives Dr.GRPO's advantages (arXiv 2503.20783: no division by the group's std).
+``overlong_penalty`` is DAPO's soft length penalty, added to the rewards before they are normalised.
 
 The thought advantage normalises each thought's *mean* answer reward over the K thoughts of its prompt; its
 variance falls like 1/M (the point of the paper). The answer advantage normalises each answer's own reward,
@@ -142,31 +144,57 @@ def grpo_ma_advantages(
 
 def flat_grpo_advantages(rewards: torch.Tensor, *, answer_baseline: str = "prompt", **numerics) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain GRPO over the tree's K*M (thought, answer) sequences: ``rewards[B, K, M]`` ->
-    ``(thought_adv[B, K], answer_adv[B, K, M])``, the tree-blind baseline GRPO-MA is compared against.
+    ``(thought_adv[B, K, M], answer_adv[B, K, M])``, the tree-blind baseline GRPO-MA is compared against.
 
-    - ``answer_adv[b, k, m]``: ``rewards[b, k, m]`` normalised over all K*M answers of prompt b (GRPO with
-      G = K*M completions: exactly GRPO-MA's answer advantage with ``answer_baseline="prompt"``, computed by it).
-    - ``thought_adv[b, k]``: the mean of its M answers' advantages. In flat GRPO a thought's tokens sit in M
-      sequences, each pushed by its own answer's advantage; the trainer trains a thought's tokens once
-      (``batch.py``), so one advantage, the mean, gives the same gradient as weight 1/M on each of the M.
-      GRPO-MA instead normalises the thought means over the K thoughts. Without std scaling the two are equal
-      (a thought's mean minus the prompt's mean either way); with it this one divides by the spread of all K*M
-      rewards, GRPO-MA by the spread of the K thought means.
+    Every sequence (thought k + answer m) is one GRPO completion, normalised over the prompt's G = K*M
+    completions, and all its tokens carry that advantage: ``thought_adv[b, k, m] == answer_adv[b, k, m]``.
+    The thought advantage is per *answer* (shape ``[B, K, M]``, not ``[B, K]``): a thought's tokens sit in M
+    sequences and are trained in each with that sequence's advantage, as re-encoding the K*M sequences one by
+    one would (``batch.build_train_batch`` reads the shape). A thought is then pushed by the sum of its M
+    advantages and counts M times in the loss's normaliser; one mean advantage trained once is not the same
+    objective (it is M times weaker against the answers, and under clipping not even proportional).
 
     ``numerics``: ``scale_by_std``, ``eps``, ``unbiased`` as in ``grpo_ma_advantages``. ``answer_baseline`` must
     be ``"prompt"`` (flat GRPO has no per-thought baseline); it is accepted so that every estimator of
-    ``ADVANTAGE_ESTIMATORS`` takes the same arguments. With M = 1 it equals ``grpo_ma_advantages(rewards,
+    ``ADVANTAGE_ESTIMATORS`` takes the same arguments. With M = 1 its values equal ``grpo_ma_advantages(rewards,
     answer_baseline="prompt")`` exactly.
     """
     if answer_baseline != "prompt":
         raise ValueError(f"flat GRPO normalises every answer over its prompt; answer_baseline must be 'prompt', got {answer_baseline!r}")
     _, answer_adv = grpo_ma_advantages(rewards, answer_baseline="prompt", **numerics)  # [B, K, M]
-    thought_adv = answer_adv.mean(dim=-1)  # [B, K]; with M = 1 an exact copy of answer_adv[..., 0]
-    return thought_adv, answer_adv
+    return answer_adv.clone(), answer_adv  # thought tokens of sequence (k, m) carry that sequence's advantage
+
+
+def informative_prompts(rewards: torch.Tensor) -> torch.Tensor:
+    """``rewards[B, K, M]`` -> ``[B]`` bool: the prompts whose K*M rewards are not all equal. A prompt whose
+    rewards are all equal gets exact-zero advantages from every estimator: it carries no signal (what DAPO's
+    dynamic sampling drops)."""
+    flat = rewards.flatten(1)  # [B, K*M]
+    return ~(flat == flat[:, :1]).all(dim=1)  # [B]
+
+
+def overlong_penalty(lengths: torch.Tensor, *, max_tokens: int, buffer_tokens: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13): ``lengths`` (any shape, tokens) -> reward
+    shaping of the same shape, ``<= 0``.
+
+    0 up to ``max_tokens - buffer_tokens``; then falling linearly to ``-penalty`` at ``max_tokens``; ``-penalty``
+    beyond (a length can only reach ``max_tokens`` here, where the sampler stops). ``buffer_tokens = 0`` turns
+    it off (all zeros). The trainer adds it to each answer's reward, once for the answer's own length against
+    ``rollout.max_answer_tokens`` and once for its thought's against ``rollout.max_thought_tokens``.
+    """
+    if buffer_tokens < 0 or buffer_tokens > max_tokens:
+        raise ValueError(f"buffer_tokens must be in [0, max_tokens={max_tokens}], got {buffer_tokens}")
+    lengths = lengths.to(torch.float64)
+    if buffer_tokens == 0:
+        return torch.zeros_like(lengths)
+    into_buffer = lengths - (max_tokens - buffer_tokens)  # > 0 inside the buffer
+    return -penalty * (into_buffer / buffer_tokens).clamp(0.0, 1.0)
 
 
 # Chosen by ``algorithm.advantage_estimator``. Every estimator maps rewards[B, K, M] and the same named numerics
-# (answer_baseline, scale_by_std, eps, unbiased) to (thought_adv[B, K], answer_adv[B, K, M]).
+# (answer_baseline, scale_by_std, eps, unbiased) to (thought_adv, answer_adv[B, K, M]). thought_adv is [B, K] when
+# a thought is one sequence of the objective, trained once (GRPO-MA's tree), or [B, K, M] when it is trained in
+# each of its M flat sequences with that sequence's advantage (flat GRPO).
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "grpo_ma": grpo_ma_advantages,
     "grpo": flat_grpo_advantages,

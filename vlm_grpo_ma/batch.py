@@ -1,9 +1,14 @@
 """Rollout + advantages -> TrainBatch: one row per answer (prompt + thought + answer), per-token advantages.
 
-Each thought is shared by its M answer rows but its tokens are counted once: they carry weight 1 on the
-row of answer m = 0 and weight 0 on the others. Their log-probs are identical in all M rows (same prefix),
-so this gives the same gradient as weight 1/M on every row, and every sampled token of the tree is trained
-exactly once. Forced tokens (the "</think>" closing a truncated thought) are not trained, and neither are answers
+Two layouts, chosen by the advantage estimator through the shape of its thought advantage:
+
+- the tree (``thought_adv[B, K]``, GRPO-MA): each thought is shared by its M answer rows but its tokens are
+  trained once, on the row of answer m = 0 (mask 0 on the others), with the thought's advantage. Their
+  log-probs are identical in all M rows (same prefix), so every sampled token of the tree is trained once.
+- flat (``thought_adv[B, K, M]``, GRPO): each row is one of the K*M flat sequences; the thought's tokens are
+  trained on every row, with that row's advantage. The scorer computes a thought's log-probs once and hands
+  them to its M rows, so this is the gradient of re-encoding the K*M sequences one by one, at no extra forward.
+ Forced tokens (the "</think>" closing a truncated thought) are not trained, and neither are answers
 whose reward a rule set (``Rollout.answers_void``). How trained tokens are weighted in the loss is the loss
 aggregation's business (``loss.aggregation_weights``).
 """
@@ -25,6 +30,7 @@ class TrainBatch:
     token_mask: torch.Tensor  # [N, T] 1 on a trained token (0: padding, forced, a thought token counted on another row, a void answer)
     sampling_logprobs: torch.Tensor  # [N, T] log-probs recorded while sampling
     is_thought: torch.Tensor  # [N, T] bool
+    flat: bool = False  # each row one sequence of the objective, its thought trained on it (see the module docstring)
 
     @property
     def num_rows(self) -> int:
@@ -47,16 +53,19 @@ class TrainBatch:
             self.token_mask[start:stop, :width],
             self.sampling_logprobs[start:stop, :width],
             self.is_thought[start:stop, :width],
+            self.flat,
         )
 
 
 def build_train_batch(
     rollout: Rollout, thought_adv: torch.Tensor, answer_adv: torch.Tensor, *, truncated_thoughts: str
 ) -> TrainBatch:
-    """thought_adv [B, K], answer_adv [B, K, M] -> TrainBatch with N = B * K * M rows. ``truncated_thoughts``
+    """thought_adv [B, K] (tree) or [B, K, M] (flat), answer_adv [B, K, M] -> TrainBatch with N = B * K * M
+    rows. ``truncated_thoughts``
     is the rollout's setting (``rollout.truncated_thoughts``): with "zero" the answers after a truncated
     thought are void (see ``Rollout.answers_void``)."""
     tree = rollout.tree
+    flat = thought_adv.ndim == 3
     rows = len(tree.answer_ids)
     lengths = [len(tree.thought_ids[a // rollout.num_answers]) + len(tree.answer_ids[a]) for a in range(rows)]
     width = max(lengths)
@@ -72,11 +81,11 @@ def build_train_batch(
         n_t, n_a = len(thought), len(answer)
         row_prompt.append(b)
         completion_ids.append(thought + answer)
-        advantages[a, :n_t] = float(thought_adv[b, k])
+        advantages[a, :n_t] = float(thought_adv[b, k, m] if flat else thought_adv[b, k])
         advantages[a, n_t : n_t + n_a] = float(answer_adv[b, k, m])
-        if m == 0:
+        if m == 0 or flat:
             token_mask[a, :n_t] = torch.tensor([0.0 if forced else 1.0 for forced in tree.thought_forced[t]])
         token_mask[a, n_t : n_t + n_a] = 0.0 if rollout.answers_void(t, truncated_thoughts) else 1.0
         sampling_logprobs[a, : n_t + n_a] = torch.tensor(tree.thought_logprobs[t] + tree.answer_logprobs[a])
         is_thought[a, :n_t] = True
-    return TrainBatch(row_prompt, completion_ids, advantages, token_mask, sampling_logprobs, is_thought)
+    return TrainBatch(row_prompt, completion_ids, advantages, token_mask, sampling_logprobs, is_thought, flat)

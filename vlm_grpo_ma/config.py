@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from vlm_grpo_ma.advantages import ADVANTAGE_ESTIMATORS
+from vlm_grpo_ma.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
 
 
 class ConfigError(ValueError):
@@ -63,26 +64,42 @@ class RolloutConfig:
 class AlgorithmConfig:
     # How rewards [B, K, M] become thought and answer advantages (advantages.ADVANTAGE_ESTIMATORS). grpo_ma: a
     # thought's mean reward normalised over the prompt's K thoughts, each answer's reward over answer_baseline's
-    # group. grpo: plain GRPO over the K*M (thought, answer) sequences, each answer normalised over the prompt's
-    # K*M answers and a thought pushed by the mean of its answers' advantages (needs answer_baseline=prompt).
+    # group; a thought is one sequence of the objective, trained once. grpo: plain GRPO over the K*M (thought,
+    # answer) sequences, each normalised over the prompt's K*M, a thought trained in each of its M sequences
+    # with that sequence's advantage (exactly re-encoding the K*M; needs answer_baseline=prompt).
     advantage_estimator: str = "grpo_ma"
-    # The group an answer's reward is normalised over. "thought": its thought's M answers, so answer tokens are
-    # pushed only by what they control (the thought's quality goes to the thought tokens); "prompt": the
-    # prompt's K*M answers. "thought" needs M >= 2; M = 1 (GRPO) takes "prompt".
-    answer_baseline: str = "thought"
-    scale_by_std: bool = True
+    # The group an answer's reward is normalised over. "prompt" (GRPO-MA's paper): the prompt's K*M answers, so
+    # M = 1 is plain GRPO. "thought": its thought's M answers, so answer tokens are pushed only by what they
+    # control given the thought (needs M >= 2).
+    answer_baseline: str = "prompt"
+    scale_by_std: bool = True  # false: Dr.GRPO's advantages (reward minus the group mean, no std division)
     std_unbiased: bool = False
     eps: float = 1e-6
+    # The per-token policy loss (loss.POLICY_LOSSES): ppo (clipped surrogate), gspo (sequence-level ratio,
+    # length-normalised; its paper clips at 3e-4/4e-4), cispo (clipped, stop-gradient importance weight times
+    # the log-prob; clip_low=1 leaves the lower side open as MiniMax-M1 does).
+    policy_loss: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.28  # asymmetric ("clip-higher", DAPO arXiv 2503.14476)
     kl_coef: float = 0.0  # > 0 loads a frozen reference policy and adds k3 KL
     # policy updates per rollout. With 1 the importance ratio is exactly 1 and clip_low/clip_high have no effect;
     # > 1 reuses the rollout and the ratio and clipping act from the second update on.
     num_iterations: int = 1
-    # How the step's tokens are weighted (loss.LOSS_AGGREGATIONS). token: one mean over every trained token (thought
-    # and answer tokens alike; the thoughts' gradient share falls as M grows). sequence: each thought averaged over
-    # its tokens, then over the step's thoughts; each answer likewise; the two parts summed.
+    # How the step's tokens are weighted (loss.LOSS_AGGREGATIONS); every choice puts a total weight of 1 on the
+    # step. token: one mean over every trained token (DAPO). sequence: each sequence averaged over its tokens,
+    # then sequences averaged (GRPO as published; on GRPO-MA's tree thoughts and answers are two halves).
+    # dr_grpo: sequence with a constant length, the maximum (Dr.GRPO; pair with scale_by_std=false).
     loss_aggregation: str = "token"
+    # DAPO's dynamic sampling: drop prompt groups whose K*M rewards are all equal (no signal) and draw more
+    # prompts, up to dynamic_sampling_max_draws extra draws of train.prompts_per_step prompts, until the step has
+    # prompts_per_step informative groups (short of that, uninformative ones fill the step; both are counted).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_draws: int = 4
+    # DAPO's soft overlong punishment: within the last N tokens before rollout.max_thought_tokens /
+    # rollout.max_answer_tokens the reward falls linearly, by up to overlong_penalty at the limit. 0 = off.
+    overlong_buffer_thought_tokens: int = 0
+    overlong_buffer_answer_tokens: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -162,7 +179,8 @@ CHOICES = {
     "rollout.truncated_thoughts": ("close", "zero"),
     "algorithm.advantage_estimator": tuple(ADVANTAGE_ESTIMATORS),
     "algorithm.answer_baseline": ("prompt", "thought"),
-    "algorithm.loss_aggregation": ("token", "sequence"),
+    "algorithm.loss_aggregation": tuple(LOSS_AGGREGATIONS),
+    "algorithm.policy_loss": tuple(POLICY_LOSSES),
     "train.optimizer": ("adamw", "sgd"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
@@ -193,6 +211,10 @@ NON_NEGATIVE = (
     "algorithm.clip_low",
     "algorithm.clip_high",
     "algorithm.kl_coef",
+    "algorithm.dynamic_sampling_max_draws",
+    "algorithm.overlong_buffer_thought_tokens",
+    "algorithm.overlong_buffer_answer_tokens",
+    "algorithm.overlong_penalty",
     "model.lora_rank",
     "model.lora_dropout",
     "train.weight_decay",
@@ -260,6 +282,13 @@ def validate(cfg: Config) -> Config:
             f"algorithm.advantage_estimator=grpo normalises every answer over its prompt's K*M answers; set"
             f" algorithm.answer_baseline=prompt (it is {cfg.algorithm.answer_baseline!r})"
         )
+    for kind in ("thought", "answer"):
+        buffer, limit = _get(cfg, f"algorithm.overlong_buffer_{kind}_tokens"), _get(cfg, f"rollout.max_{kind}_tokens")
+        if buffer > limit:
+            raise ConfigError(
+                f"algorithm.overlong_buffer_{kind}_tokens={buffer} must be <= rollout.max_{kind}_tokens={limit}"
+                " (the penalty ramps over the last that many tokens before the limit)"
+            )
     if cfg.data.tasks:
         bad = {name: w for name, w in cfg.data.tasks.items() if not w > 0}
         if bad:

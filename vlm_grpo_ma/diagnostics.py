@@ -19,6 +19,8 @@ from collections import deque
 
 import torch
 
+from vlm_grpo_ma.advantages import informative_prompts
+
 
 def thought_value_noise(rewards: torch.Tensor) -> dict[str, float]:
     """rewards [B, K, M] -> the step's thought-value statistics (means over prompts and thoughts):
@@ -44,15 +46,14 @@ def thought_value_noise(rewards: torch.Tensor) -> dict[str, float]:
 def zero_signal_shares(rewards: torch.Tensor, thought_adv: torch.Tensor, answer_adv: torch.Tensor) -> dict[str, float]:
     """The share of groups whose advantages are all zero, so that they teach nothing this step.
 
-    rewards [B, K, M], thought_adv [B, K], answer_adv [B, K, M] ->
+    rewards [B, K, M], thought_adv [B, K] (or [B, K, M], flat GRPO), answer_adv [B, K, M] ->
     ``prompt_groups`` (prompts whose K*M rewards are all equal: no advantage anywhere), ``thought_groups``
     (prompts whose K thought advantages are all 0), ``answer_groups`` (thoughts whose M answer advantages are
     all 0). Zero is exact: the advantage functions return exact zeros for constant groups."""
-    flat = rewards.flatten(1)  # [B, K*M]
-    constant_prompts = (flat == flat[:, :1]).all(dim=1)  # [B]
+    constant_prompts = ~informative_prompts(rewards)  # [B]
     return {
         "prompt_groups": float(constant_prompts.double().mean()),
-        "thought_groups": float((thought_adv == 0).all(dim=1).double().mean()),
+        "thought_groups": float((thought_adv == 0).flatten(1).all(dim=1).double().mean()),
         "answer_groups": float((answer_adv == 0).all(dim=2).double().mean()),
     }
 

@@ -6,18 +6,18 @@ tokens under the current policy (with grad), under the sampling policy (``old``)
 policy (``ref``), the per-token advantage (already broadcast: thought tokens carry their thought's
 advantage, answer tokens their answer's), and a float token weight.
 
-The objective of one optimisation step is ``sum over trained tokens of w * (surrogate + kl_coef * k3)``, where
-the per-token weights ``w`` come from a loss aggregation (``LOSS_AGGREGATIONS``, chosen by
-``algorithm.loss_aggregation``) and are normalised over the *whole step* (every micro-batch, every process):
+The objective of one optimisation step is ``sum over trained tokens of w * (per-token policy loss + kl_coef *
+k3)``. The per-token policy loss comes from ``POLICY_LOSSES`` (``algorithm.policy_loss``: PPO's clipped surrogate,
+GSPO, CISPO); the weights ``w`` from ``LOSS_AGGREGATIONS`` (``algorithm.loss_aggregation``: ``token``, ``sequence``,
+``dr_grpo``), normalised over the *whole step* (every micro-batch, every process).
 
-- ``token``: one mean over every trained token of the step (DAPO, arXiv 2503.14476, "token-level policy
-  gradient loss"). A token's weight does not depend on its sequence's length; thought and answer tokens share
-  one mean, so the thoughts' share of the gradient is their share of the tokens, which falls as M grows.
-- ``sequence``: GRPO as published (DeepSeekMath): each sequence's tokens are averaged over that sequence, then
-  sequences are averaged. In GRPO-MA the thoughts and the answers are two kinds of sequence: each thought's
-  tokens are averaged over the thought and the K thoughts of the step averaged; each answer's tokens over the
-  answer and the K*M answers averaged; the two parts are summed. Thoughts then get half the gradient mass
-  whatever M is.
+What a "sequence" of the objective is depends on the batch's layout (``flat``), which the advantage estimator
+decides (``batch.build_train_batch``):
+
+- the tree (``flat=False``, GRPO-MA): a thought is one sequence, trained once (on the row of its first answer),
+  and each answer is another; a row holds up to two sequences, its thought's and its answer's.
+- flat (``flat=True``, GRPO): each row, thought + answer, is one sequence; a thought's tokens are trained on
+  each of its M rows, as re-encoding the K*M sequences one by one would train them.
 
 Because the weights are normalised over the step, micro-batch losses add up to the full-batch loss exactly and
 gradient accumulation is the same computation as one big batch.
@@ -85,17 +85,123 @@ def clipped_surrogate(
     ``MAX_LOG_RATIO``). No dual clip (verl's ``clip_ratio_c``): with small clip ranges and fresh rollouts
     the unbounded negative-advantage branch has not been a problem; add it here if it becomes one.
     """
+    _check_clip(clip_low, clip_high)
+    log_ratio = (logprobs - old_logprobs).clamp(-max_log_ratio, max_log_ratio)  # [N, T]
+    return _clipped(torch.exp(log_ratio), advantages, clip_low, clip_high)
+
+
+def _check_clip(clip_low: float, clip_high: float) -> None:
     if not 0.0 <= clip_low <= 1.0 or clip_high < 0.0:
         raise ValueError(
             f"need 0 <= clip_low <= 1 and clip_high >= 0, got clip_low={clip_low}, clip_high={clip_high}"
         )
-    log_ratio = (logprobs - old_logprobs).clamp(-max_log_ratio, max_log_ratio)  # [N, T]
-    ratio = torch.exp(log_ratio)  # [N, T]
+
+
+def _clipped(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)`` and where the clipped branch won."""
     unclipped_objective = ratio * advantages  # [N, T]
     clipped_objective = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages  # [N, T]
     loss = -torch.minimum(unclipped_objective, clipped_objective)  # [N, T]
     clipped = clipped_objective < unclipped_objective  # [N, T] bool
     return loss, clipped
+
+
+def segment_ids(token_mask: torch.Tensor, is_thought: torch.Tensor, *, flat: bool) -> torch.Tensor:
+    """Which sequence of the objective each trained token belongs to: ``[N, T]`` long, -1 on untrained positions.
+
+    Flat layout: row r is one sequence (id ``2r``). Tree layout: row r's thought tokens are ``2r`` and its answer
+    tokens ``2r + 1`` (a thought's trained tokens all sit on one row, so ``2r`` is that thought). Ids are unique
+    within the rows passed, which is all a per-sequence quantity (GSPO's ratio) needs."""
+    rows = torch.arange(token_mask.shape[0], device=token_mask.device)[:, None] * 2  # [N, 1]
+    ids = rows + (torch.zeros_like(is_thought, dtype=torch.long) if flat else (~is_thought).long())  # [N, T]
+    return torch.where(token_mask != 0, ids, torch.full_like(ids, -1))  # [N, T]
+
+
+def _sequence_mean(values: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+    """Each position's sequence mean of ``values`` over the positions of its sequence (``segments`` >= 0); 0
+    elsewhere. Shapes: [N, T], [N, T] -> [N, T]."""
+    counted = segments >= 0  # [N, T]
+    flat_ids = segments[counted]  # [n]
+    _, inverse = torch.unique(flat_ids, return_inverse=True)
+    sums = torch.zeros(int(inverse.max()) + 1 if inverse.numel() else 0, dtype=values.dtype, device=values.device)
+    sums = sums.index_add(0, inverse, values[counted])
+    counts = torch.zeros_like(sums).index_add(0, inverse, torch.ones_like(values[counted]))
+    means = torch.zeros_like(values)
+    means[counted] = (sums / counts)[inverse]
+    return means  # [N, T]
+
+
+def gspo_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    max_log_ratio: float = MAX_LOG_RATIO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO (arXiv 2507.18071), token form: the importance ratio is the sequence's, length-normalised,
+    ``s = exp(mean over the sequence of (logprobs - old_logprobs))``, and each token uses
+    ``s_t = sg(s) * pi(y_t) / sg(pi(y_t))`` (value ``s``, gradient ``s * grad log pi(y_t)``) in PPO's clipped
+    surrogate. Shapes: ``[N, T]`` each (``segments`` from ``segment_ids``) -> ``(loss[N, T], clipped[N, T])``.
+
+    A sequence is clipped or not as a whole. On GRPO-MA's tree a thought's ratio is over the thought's tokens and
+    an answer's over its own; flat, over the whole row. GSPO's paper clips at 3e-4 / 4e-4 (set
+    ``clip_low``/``clip_high``): sequence ratios stay much closer to 1 than token ratios."""
+    _check_clip(clip_low, clip_high)
+    log_ratio = (logprobs - old_logprobs).clamp(-max_log_ratio, max_log_ratio)  # [N, T]
+    sequence_log_ratio = _sequence_mean(log_ratio.detach(), segments)  # [N, T], constant along a sequence
+    ratio = torch.exp(sequence_log_ratio + logprobs - logprobs.detach())  # [N, T]: value s, gradient s * dlogpi
+    return _clipped(ratio, advantages, clip_low, clip_high)
+
+
+def cispo_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    max_log_ratio: float = MAX_LOG_RATIO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): ``loss = -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A *
+    logprobs``. Shapes: ``[N, T]`` -> ``(loss[N, T], clipped[N, T])``; ``segments`` is unused.
+
+    Unlike PPO's clip, no token loses its gradient: the importance weight is clipped (and not differentiated),
+    the log-prob keeps its push. ``clipped`` marks tokens whose weight was clipped. MiniMax-M1 leaves the lower
+    side open: ``clip_low=1`` does that. At ratio 1 its gradient is PPO's (``-A * grad log pi``); its value is
+    ``-A * logprobs``, not ``-A``."""
+    _check_clip(clip_low, clip_high)
+    log_ratio = (logprobs - old_logprobs).clamp(-max_log_ratio, max_log_ratio).detach()  # [N, T]
+    ratio = torch.exp(log_ratio)  # [N, T]
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
+    clipped = weight != ratio  # [N, T] bool
+    return -weight * advantages * logprobs, clipped
+
+
+def ppo_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    segments: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    max_log_ratio: float = MAX_LOG_RATIO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token clipped surrogate (``clipped_surrogate``) in the registry's signature; ``segments`` unused."""
+    return clipped_surrogate(logprobs, old_logprobs, advantages, clip_low=clip_low, clip_high=clip_high, max_log_ratio=max_log_ratio)
+
+
+# Chosen by ``algorithm.policy_loss``. Each maps (logprobs, old_logprobs, advantages, segments) [N, T] and the clip
+# range to (per-token loss [N, T], clipped [N, T] bool). verl calls ``ppo`` "vanilla".
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "ppo": ppo_surrogate,
+    "gspo": gspo_surrogate,
+    "cispo": cispo_surrogate,
+}
 
 
 def policy_loss(
@@ -109,11 +215,16 @@ def policy_loss(
     total_weight: float | torch.Tensor,
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
+    surrogate: str = "ppo",
+    segments: torch.Tensor | None = None,
     max_log_ratio: float = MAX_LOG_RATIO,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's share of the step loss, and summable statistics.
 
-    ``loss = sum(token_weights * (surrogate + kl_coef * k3)) / total_weight`` (a scalar).
+    ``loss = sum(token_weights * (surrogate + kl_coef * k3)) / total_weight`` (a scalar), with the per-token
+    ``surrogate`` of ``POLICY_LOSSES`` (an unknown name lists the known ones). ``segments`` [N, T]
+    (``segment_ids``) says which sequence each token belongs to; only GSPO reads it (default: one sequence
+    per row).
 
     Shapes: ``logprobs``, ``old_logprobs``, ``advantages``, ``token_weights``, ``ref_logprobs``: ``[N, T]``.
 
@@ -140,6 +251,8 @@ def policy_loss(
     NaN log-prob (or advantage) on a padding position cannot turn the sum into NaN (0 * inf = NaN); those
     positions get an exactly zero gradient.
     """
+    if surrogate not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {surrogate!r}; known: {', '.join(POLICY_LOSSES)}")
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
     if kl_coef > 0 and ref_logprobs is None:
@@ -165,15 +278,17 @@ def policy_loss(
         return torch.where(counted, tensor, torch.zeros_like(tensor))  # [N, T]
 
     logprobs = neutralise(logprobs)
-    surrogate, clipped = clipped_surrogate(
+    if segments is None:
+        segments = segment_ids(token_weights, torch.zeros_like(counted), flat=True)
+    per_token, clipped = POLICY_LOSSES[surrogate](
         logprobs,
         neutralise(old_logprobs),
         neutralise(advantages),
+        segments,
         clip_low=clip_low,
         clip_high=clip_high,
         max_log_ratio=max_log_ratio,
     )  # [N, T], [N, T]
-    per_token = surrogate  # [N, T]
     kl = None
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, neutralise(ref_logprobs), max_log_ratio=max_log_ratio)  # [N, T]
@@ -199,44 +314,86 @@ def policy_loss(
 # ----------------------------------------------------------------------------------------------------------
 # Loss aggregations: per-token weights of one micro-batch, normalised over the whole step.
 #
-# Every aggregation takes ``token_mask`` [N, T] (1 on a trained token: a sampled token counted on this row;
-# a thought's tokens are counted on one of its M rows only) and ``is_thought`` [N, T] (bool), plus the step's
-# totals over all micro-batches and processes: ``num_tokens`` (trained tokens), ``num_thoughts`` (B * K) and
-# ``num_answers`` (B * K * M). It returns weights [N, T] that sum, over the whole step, to the number of parts
-# of the objective (1 for ``token``; at most 2 for ``sequence``, thought part + answer part).
+# Every aggregation takes ``token_mask`` [N, T] (1 on a trained token) and ``is_thought`` [N, T] (bool), the
+# layout ``flat`` (see the module docstring), and the step's totals over all micro-batches and processes:
+# ``num_tokens`` (trained tokens), ``num_thoughts`` (B * K), ``num_answers`` (B * K * M: also the number of flat
+# sequences), and the sampling limits ``max_thought_tokens``, ``max_answer_tokens``. It returns weights [N, T]
+# whose sum over the whole step is 1 (less when some sequences have no trained token: void answers).
+#
+# On the tree a step's objective has two halves, the thoughts' and the answers'. GRPO-MA's paper sums them;
+# we average them (a constant factor 1/2 on the gradient), so that every aggregation puts a total weight of 1
+# on the step and a learning rate means the same under each.
+
+
+def _per_sequence(mask: torch.Tensor, is_thought: torch.Tensor, flat: bool, thought_size, answer_size, num_thoughts: int, num_answers: int) -> torch.Tensor:
+    """Weights that give each sequence of the objective an equal share of the step, spread over its tokens
+    as ``mask / size``. ``thought_size`` / ``answer_size``: [N, 1] tensors or numbers, the divisor of a
+    thought's / an answer's tokens (flat: ``answer_size`` is the whole row's)."""
+    if num_thoughts <= 0 or num_answers <= 0:
+        raise ValueError(f"num_thoughts and num_answers must be > 0, got {num_thoughts} and {num_answers}")
+    if flat:
+        return mask / (answer_size * num_answers)  # [N, T]
+    thought_mask = mask * is_thought  # [N, T]
+    answer_mask = mask * ~is_thought  # [N, T]
+    return 0.5 * (thought_mask / (thought_size * num_thoughts) + answer_mask / (answer_size * num_answers))  # [N, T]
 
 
 def token_mean_weights(
-    token_mask: torch.Tensor, is_thought: torch.Tensor, *, num_tokens: float, num_thoughts: int, num_answers: int
-) -> torch.Tensor:
-    """``token``: every trained token of the step weighs ``1 / num_tokens``. Shapes: [N, T] -> [N, T]."""
+    token_mask: torch.Tensor, is_thought: torch.Tensor, *, flat: bool, num_tokens: float, num_thoughts: int,
+    num_answers: int, max_thought_tokens: int, max_answer_tokens: int,
+) -> torch.Tensor:  # fmt: skip
+    """``token`` (DAPO's token-level loss): every trained token of the step weighs ``1 / num_tokens``. Flat, a
+    thought's tokens are trained on M rows and count M times, as in the K*M sequences they stand for.
+    Shapes: [N, T] -> [N, T]."""
     if not num_tokens > 0:
         raise ValueError(f"num_tokens (trained tokens in the step) must be > 0, got {num_tokens}")
     return token_mask.to(torch.float64) / num_tokens  # [N, T]
 
 
 def sequence_mean_weights(
-    token_mask: torch.Tensor, is_thought: torch.Tensor, *, num_tokens: float, num_thoughts: int, num_answers: int
-) -> torch.Tensor:
-    """``sequence``: a thought token weighs ``1 / (its thought's trained tokens * num_thoughts)``, an answer
-    token ``1 / (its answer's trained tokens * num_answers)``. Shapes: [N, T] -> [N, T].
+    token_mask: torch.Tensor, is_thought: torch.Tensor, *, flat: bool, num_tokens: float, num_thoughts: int,
+    num_answers: int, max_thought_tokens: int, max_answer_tokens: int,
+) -> torch.Tensor:  # fmt: skip
+    """``sequence`` (GRPO as published, DeepSeekMath: ``1/G sum_i 1/|o_i| sum_t``, averaged over prompts).
 
-    A thought's trained tokens all sit on one row (the caller counts a thought once), so a row's thought
-    tokens are that thought's. A sequence with no trained token (an answer after a thought that ended the
-    turn) still counts in ``num_thoughts`` / ``num_answers``: it is a member of its group whose loss is 0."""
-    if num_thoughts <= 0 or num_answers <= 0:
-        raise ValueError(f"num_thoughts and num_answers must be > 0, got {num_thoughts} and {num_answers}")
+    Flat: a token of row r weighs ``1 / (|o_r| * num_answers)``, ``|o_r|`` the row's trained tokens (thought +
+    answer): exactly DeepSeekMath over the K*M sequences. Tree: a thought token weighs
+    ``1 / (2 * |thought| * num_thoughts)``, an answer token ``1 / (2 * |answer| * num_answers)``: the thoughts'
+    half and the answers' half of GRPO-MA's objective, each a per-sequence mean. Shapes: [N, T] -> [N, T].
+
+    A sequence with no trained token (an answer after a thought that ended the turn) still counts in
+    ``num_thoughts`` / ``num_answers``: it is a member of its group whose loss is 0."""
     mask = token_mask.to(torch.float64)  # [N, T]
-    thought_mask = mask * is_thought  # [N, T]
-    answer_mask = mask * ~is_thought  # [N, T]
-    thought_tokens = thought_mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [N, 1]
-    answer_tokens = answer_mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [N, 1]
-    return thought_mask / (thought_tokens * num_thoughts) + answer_mask / (answer_tokens * num_answers)  # [N, T]
+    if flat:
+        row_tokens = mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # [N, 1]
+        return _per_sequence(mask, is_thought, True, None, row_tokens, num_thoughts, num_answers)
+    thought_tokens = (mask * is_thought).sum(dim=1, keepdim=True).clamp(min=1.0)  # [N, 1]
+    answer_tokens = (mask * ~is_thought).sum(dim=1, keepdim=True).clamp(min=1.0)  # [N, 1]
+    return _per_sequence(mask, is_thought, False, thought_tokens, answer_tokens, num_thoughts, num_answers)
+
+
+def dr_grpo_weights(
+    token_mask: torch.Tensor, is_thought: torch.Tensor, *, flat: bool, num_tokens: float, num_thoughts: int,
+    num_answers: int, max_thought_tokens: int, max_answer_tokens: int,
+) -> torch.Tensor:  # fmt: skip
+    """``dr_grpo`` (Dr.GRPO, arXiv 2503.20783): ``sequence`` with each sequence's length replaced by a constant,
+    the longest it could be, so a sequence's weight no longer grows as it shortens (the length bias Dr.GRPO
+    removes). Flat: ``1 / ((max_thought_tokens + max_answer_tokens) * num_answers)``; tree: a thought token
+    ``1 / (2 * max_thought_tokens * num_thoughts)``, an answer token ``1 / (2 * max_answer_tokens * num_answers)``.
+    The step's weights sum to at most 1 (1 only when every sequence is as long as it can be). Pair with
+    ``algorithm.scale_by_std=false`` for Dr.GRPO's advantages. Shapes: [N, T] -> [N, T]."""
+    if max_thought_tokens <= 0 or max_answer_tokens <= 0:
+        raise ValueError(f"max_thought_tokens and max_answer_tokens must be > 0, got {max_thought_tokens} and {max_answer_tokens}")
+    mask = token_mask.to(torch.float64)  # [N, T]
+    if flat:
+        return _per_sequence(mask, is_thought, True, None, max_thought_tokens + max_answer_tokens, num_thoughts, num_answers)
+    return _per_sequence(mask, is_thought, False, max_thought_tokens, max_answer_tokens, num_thoughts, num_answers)
 
 
 LOSS_AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "token": token_mean_weights,
     "sequence": sequence_mean_weights,
+    "dr_grpo": dr_grpo_weights,
 }
 
 

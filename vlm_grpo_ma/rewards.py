@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from vlm_grpo_ma.advantages import overlong_penalty
 from vlm_grpo_ma.registry import Task, get_task, weighted_reward
 from vlm_grpo_ma.reward_pool import DEFAULT_TIMEOUT_S, RewardTimeout, shared_pool
 from vlm_grpo_ma.rollout import Rollout
@@ -114,10 +116,44 @@ def score_rollout(
         counters["thought_truncated"] += int(tree.thought_truncated[t])
         counters["thought_ended_turn"] += int(tree.thought_ended_turn[t])
     shape = (rollout.num_prompts, rollout.num_thoughts, rollout.num_answers)
+    return _scored(flat_parts, shape, counters)
+
+
+def _scored(flat_parts: list[dict[str, float]], shape: tuple[int, int, int], counters: Counter) -> ScoredRollout:
+    """A ScoredRollout from each answer's parts (``"reward"`` among them), in answer-row order."""
     names = sorted({name for parts in flat_parts for name in parts})
     parts_tensors = {
         name: torch.tensor([p.get(name, float("nan")) for p in flat_parts], dtype=torch.float32).view(shape)
         for name in names
     }
-    rewards = torch.tensor(flat_rewards, dtype=torch.float32).view(shape)
-    return ScoredRollout(rewards=rewards, parts=parts_tensors, per_answer_parts=flat_parts, counters=counters)
+    return ScoredRollout(rewards=parts_tensors["reward"].clone(), parts=parts_tensors, per_answer_parts=flat_parts, counters=counters)
+
+
+def gather_scored_groups(groups: Sequence[tuple[ScoredRollout, int]], counters: Counter) -> ScoredRollout:
+    """The scores of prompt groups ``(scored, b)`` in that order (``rollout.gather_groups``'s order), with
+    ``counters`` (the step's, over every draw, kept or not)."""
+    rewards = groups[0][0].rewards
+    K, M = rewards.shape[1], rewards.shape[2]
+    flat_parts = [scored.per_answer_parts[(b * K + k) * M + m] for scored, b in groups for k in range(K) for m in range(M)]
+    return _scored(flat_parts, (len(groups), K, M), counters)
+
+
+def add_overlong_penalty(
+    scored: ScoredRollout, rollout: Rollout, *, max_thought_tokens: int, max_answer_tokens: int,
+    thought_buffer: int, answer_buffer: int, penalty: float,
+) -> ScoredRollout:  # fmt: skip
+    """DAPO's soft overlong punishment (``advantages.overlong_penalty``) added to every answer's reward: for the
+    answer's length and for its thought's. The penalty is also a part, ``overlong`` (<= 0), so it is logged. A
+    no-op when both buffers are 0."""
+    if thought_buffer == 0 and answer_buffer == 0:
+        return scored
+    tree, M = rollout.tree, rollout.num_answers
+    thought_lengths = torch.tensor([len(tree.thought_ids[a // M]) for a in range(len(tree.answer_ids))])
+    answer_lengths = torch.tensor([len(ids) for ids in tree.answer_ids])
+    shaping = overlong_penalty(thought_lengths, max_tokens=max_thought_tokens, buffer_tokens=thought_buffer, penalty=penalty)
+    shaping += overlong_penalty(answer_lengths, max_tokens=max_answer_tokens, buffer_tokens=answer_buffer, penalty=penalty)
+    flat_parts = [
+        {**parts, "overlong": float(extra), "reward": parts["reward"] + float(extra)}
+        for parts, extra in zip(scored.per_answer_parts, shaping.tolist(), strict=True)
+    ]
+    return _scored(flat_parts, tuple(scored.rewards.shape), scored.counters)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from vlm_grpo_ma.policy import EncodedPrompt, Policy, SamplingSettings, TreeSample, sample_tree
 from vlm_grpo_ma.registry import Completion, Sample
@@ -44,6 +44,31 @@ class Rollout:
         thought_row, m = divmod(answer_row, self.num_answers)
         b, k = divmod(thought_row, self.num_thoughts)
         return b, k, m
+
+
+def gather_groups(groups: Sequence[tuple[Rollout, int]]) -> Rollout:
+    """One Rollout of the prompt groups ``(rollout, b)``, in that order, each with its K thoughts and K*M answers
+    (dynamic sampling keeps groups from several draws). The rollouts share K and M."""
+    first = groups[0][0]
+    K, M = first.num_thoughts, first.num_answers
+    thought_rows = [(r, r.thought_row(b, k)) for r, b in groups for k in range(K)]
+    answer_rows = [(r, r.answer_row(b, k, m)) for r, b in groups for k in range(K) for m in range(M)]
+    per_thought = {"thought_ids", "thought_logprobs", "thought_forced", "thought_truncated", "thought_ended_turn"}
+    columns = {}
+    for item in fields(TreeSample):
+        if item.name == "vision_images_encoded":
+            continue
+        rows = thought_rows if item.name in per_thought else answer_rows
+        columns[item.name] = [getattr(r.tree, item.name)[i] for r, i in rows]
+    encoded = sum({id(r): r.tree.vision_images_encoded for r, _ in groups}.values())
+    return Rollout(
+        samples=[r.samples[b] for r, b in groups],
+        prompts=[r.prompts[b] for r, b in groups],
+        num_thoughts=K,
+        num_answers=M,
+        tree=TreeSample(**columns, vision_images_encoded=encoded),
+        completions=[r.completions[i] for r, i in answer_rows],
+    )
 
 
 def generate_rollout(

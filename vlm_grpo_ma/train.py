@@ -14,11 +14,11 @@ from collections import Counter
 
 from vlm_grpo_ma import checkpoint as ckpt
 from vlm_grpo_ma import lora, sharding, survive
-from vlm_grpo_ma.advantages import compute_advantages
+from vlm_grpo_ma.advantages import compute_advantages, informative_prompts
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import Config
 from vlm_grpo_ma.data import PromptStream
-from vlm_grpo_ma.distributed import mean_over_processes, sum_over_processes
+from vlm_grpo_ma.distributed import mean_over_processes, min_over_processes, sum_over_processes
 from vlm_grpo_ma.held_out import evaluate_during_training
 from vlm_grpo_ma.policy import (
     EncodedPrompt,
@@ -29,8 +29,8 @@ from vlm_grpo_ma.policy import (
     prompt_generators,
 )
 from vlm_grpo_ma.registry import get_task
-from vlm_grpo_ma.rewards import ScoredRollout, score_rollout
-from vlm_grpo_ma.rollout import Rollout, generate_rollout
+from vlm_grpo_ma.rewards import ScoredRollout, add_overlong_penalty, gather_scored_groups, score_rollout
+from vlm_grpo_ma.rollout import Rollout, gather_groups, generate_rollout
 from vlm_grpo_ma.run_dir import write_summary
 from vlm_grpo_ma.run_setup import RunState, setup_run
 from vlm_grpo_ma.step_metrics import headline_metrics, rollout_metrics, rollout_records, timing_metrics
@@ -53,16 +53,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
-            samples, prompts, settings = step_prompts(run, step)
-            policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
-            # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
-            with sharding.gathered(scorer), accelerator.autocast():
-                rollout = generate_rollout(policy, samples, prompts, num_thoughts=cfg.rollout.num_thoughts,
-                                           num_answers=cfg.rollout.num_answers, settings=settings)  # fmt: skip
-            rollout_seconds = time.perf_counter() - started
-            scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
-                                   truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
-            counters.update(sum_over_processes(accelerator, scored.counters))
+            prompts, rollout, scored, rollout_seconds = sample_step(run, step)
+            step_counts = sum_over_processes(accelerator, scored.counters)
+            counters.update(step_counts)
             thought_adv, answer_adv = compute_advantages(
                 cfg.algorithm.advantage_estimator, scored.rewards, answer_baseline=cfg.algorithm.answer_baseline,
                 scale_by_std=cfg.algorithm.scale_by_std, eps=cfg.algorithm.eps, unbiased=cfg.algorithm.std_unbiased,
@@ -77,7 +70,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             step, guard.weights_changed, completed = step + 1, False, run.completed_state()
 
             metrics = step_metrics(run, rollout, scored, (thought_adv, answer_adv), batch, update, learning_rate,
-                                   seconds=(time.perf_counter() - started, rollout_seconds))  # fmt: skip
+                                   seconds=(time.perf_counter() - started, rollout_seconds), step_counts=step_counts)  # fmt: skip
             evaluating = bool(run.eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
             if evaluating:
                 metrics.update(evaluate(run, step))
@@ -97,15 +90,60 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     return write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
 
 
-def step_prompts(run: RunState, step: int) -> tuple[list, list[EncodedPrompt], SamplingSettings]:
-    """This process's share of step ``step``'s prompts, and how to sample them. Every process draws the whole
-    step (same stream, same skips), then keeps its own share."""
+def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout, ScoredRollout, float]:
+    """This process's share of step ``step``: its prompts, their K x M rollout, scored (with DAPO's overlong
+    shaping when configured), and the seconds spent drawing and sampling.
+
+    Without ``algorithm.dynamic_sampling``: one draw of ``train.prompts_per_step`` prompts. With it, groups whose
+    K*M rewards are all equal (no signal) are set aside and the step is drawn again, up to
+    ``algorithm.dynamic_sampling_max_draws`` more times, until every process holds its share of informative
+    groups. The processes decide together, so all make the same draws and stay on one prompt stream; set-aside
+    groups fill a share still short after the last draw, so every process trains an equal share. The extra
+    prompts drawn (``resampled_prompts``) and the uninformative groups trained (``uninformative_groups_trained``)
+    are counted. A resumed run is exact: the extra draws are part of the stream's position."""
+    cfg, algo, share = run.cfg, run.cfg.algorithm, run.prompts_per_process
+    informative, spare, sampling_seconds, counts = [], [], 0.0, Counter()
+    for draw in range(1 + (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 0)):
+        started = time.perf_counter()
+        samples, prompts, settings = step_prompts(run, step, draw)
+        run.policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
+        # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
+        with sharding.gathered(run.scorer), run.accelerator.autocast():
+            rollout = generate_rollout(run.policy, samples, prompts, num_thoughts=cfg.rollout.num_thoughts,
+                                       num_answers=cfg.rollout.num_answers, settings=settings)  # fmt: skip
+        sampling_seconds += time.perf_counter() - started
+        scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
+                               truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
+        scored = add_overlong_penalty(
+            scored, rollout, max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens,
+            thought_buffer=algo.overlong_buffer_thought_tokens, answer_buffer=algo.overlong_buffer_answer_tokens,
+            penalty=algo.overlong_penalty,
+        )  # fmt: skip
+        if not algo.dynamic_sampling:
+            return prompts, rollout, scored, sampling_seconds
+        counts.update(scored.counters)
+        counts["resampled_prompts"] += len(samples) if draw > 0 else 0
+        for b, has_signal in enumerate(informative_prompts(scored.rewards).tolist()):
+            (informative if has_signal else spare).append((rollout, scored, b))
+        if min_over_processes(run.accelerator, len(informative)) >= share:
+            break
+    groups = (informative + spare)[:share]
+    counts["uninformative_groups_trained"] += max(0, share - len(informative))
+    rollout = gather_groups([(rollout, b) for rollout, _, b in groups])
+    scored = gather_scored_groups([(scored, b) for _, scored, b in groups], counts)
+    return rollout.prompts, rollout, scored, sampling_seconds
+
+
+def step_prompts(run: RunState, step: int, draw: int = 0) -> tuple[list, list[EncodedPrompt], SamplingSettings]:
+    """This process's share of step ``step``'s prompts (of its ``draw``-th draw: dynamic sampling draws again),
+    and how to sample them. Every process draws the whole step (same stream, same skips), then keeps its own
+    share."""
     cfg, share = run.cfg, run.prompts_per_process
     instruction_of = lambda name: get_task(name).instruction  # noqa: E731
     samples, prompts = draw_prompts(run.policy, run.stream, cfg.train.prompts_per_step, instruction_of, run.counters)
     first_prompt = run.accelerator.process_index * share
     samples, prompts = samples[first_prompt : first_prompt + share], prompts[first_prompt : first_prompt + share]
-    return samples, prompts, sampling_settings(cfg, step, first_prompt, len(samples))
+    return samples, prompts, sampling_settings(cfg, step, draw * cfg.train.prompts_per_step + first_prompt, len(samples))
 
 
 def draw_prompts(
@@ -129,8 +167,9 @@ def draw_prompts(
 
 
 def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: int) -> SamplingSettings:
-    """How step ``step`` samples prompts ``first_prompt ..`` of the step. The randomness is a function of
-    (seed, step, prompt): a resumed run samples the same trees, and so does a run split over processes."""
+    """How step ``step`` samples prompts ``first_prompt ..`` of the step (a later draw of the step numbers its
+    prompts after the earlier draws'). The randomness is a function of (seed, step, prompt): a resumed run
+    samples the same trees, and so does a run split over processes."""
     return SamplingSettings(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
@@ -144,11 +183,15 @@ def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: in
 
 def step_metrics(
     run: RunState, rollout: Rollout, scored: ScoredRollout, advantages: tuple, batch: TrainBatch, update: dict,
-    learning_rate: float, seconds: tuple[float, float],
+    learning_rate: float, seconds: tuple[float, float], step_counts: Counter,
 ) -> dict:
     """The step's figures, averaged over the processes (``distributed.mean_over_processes``). ``seconds``: the
-    step's and its rollout's wall time. The grad norm joins the spike monitor's history here."""
+    step's and its rollout's wall time; ``step_counts``: this step's counters, summed over the processes. The
+    grad norm joins the spike monitor's history here."""
     metrics = rollout_metrics(rollout, scored, *advantages, run.tasks)
+    if run.cfg.algorithm.dynamic_sampling:
+        metrics["signal/resampled_prompts"] = step_counts["resampled_prompts"]
+        metrics["signal/uninformative_groups_trained"] = step_counts["uninformative_groups_trained"]
     metrics.update(update)
     metrics["train/grad_norm_spike_ratio"] = run.spikes.observe(update["train/grad_norm"])
     metrics.update(sharding.state_bytes(run.policy.model, run.optimizer, run.accelerator.process_index, getattr(run.reference, "module", None)))

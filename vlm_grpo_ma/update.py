@@ -16,7 +16,7 @@ import torch
 from vlm_grpo_ma import lora, sharding, survive
 from vlm_grpo_ma.batch import TrainBatch
 from vlm_grpo_ma.config import Config
-from vlm_grpo_ma.loss import aggregation_weights, policy_loss
+from vlm_grpo_ma.loss import aggregation_weights, policy_loss, segment_ids
 from vlm_grpo_ma.policy import EncodedPrompt
 
 
@@ -59,12 +59,15 @@ def update_policy(
         "num_tokens": float(accelerator.reduce(local_tokens, reduction="sum")),
         "num_thoughts": cfg.train.prompts_per_step * cfg.rollout.num_thoughts,
         "num_answers": cfg.train.prompts_per_step * cfg.answers_per_prompt,
+        "max_thought_tokens": cfg.rollout.max_thought_tokens,
+        "max_answer_tokens": cfg.rollout.max_answer_tokens,
     }
     micro_batches = [batch.rows(start, start + cfg.train.micro_batch_rows) for start in range(0, batch.num_rows, cfg.train.micro_batch_rows)]
     loss_weights = [
-        aggregation_weights(cfg.algorithm.loss_aggregation, micro.token_mask, micro.is_thought, **totals).float()
+        aggregation_weights(cfg.algorithm.loss_aggregation, micro.token_mask, micro.is_thought, flat=batch.flat, **totals).float()
         for micro in micro_batches
     ]
+    segments = [segment_ids(micro.token_mask, micro.is_thought, flat=batch.flat) for micro in micro_batches]
     temperature = cfg.rollout.temperature
     old_logprobs = None
     if cfg.algorithm.num_iterations > 1:  # the rollout is reused: freeze the sampling policy's log-probs first
@@ -91,6 +94,8 @@ def update_policy(
                 total_weight=1.0 / num_processes,
                 kl_coef=cfg.algorithm.kl_coef,
                 ref_logprobs=ref,
+                surrogate=cfg.algorithm.policy_loss,
+                segments=segments[index].to(device),
             )
             accelerator.backward(loss)
             log_ratio_max = float(micro_stats.pop("log_ratio_abs_max"))  # a maximum, not a sum
