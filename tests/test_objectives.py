@@ -1,0 +1,260 @@
+"""The objectives, exact: flat GRPO through the tree equals re-encoding the K*M sequences one by one (DeepSeekMath's
+and DAPO's normalisers, with importance ratios away from 1 and clipping); the policy losses peers ship (GSPO,
+CISPO) against hand-computed tables; DAPO's overlong shaping; dynamic sampling end to end."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_run_config
+from PIL import Image
+
+from vlm_grpo_ma import train as train_module
+from vlm_grpo_ma.advantages import compute_advantages, informative_prompts, overlong_penalty
+from vlm_grpo_ma.batch import build_train_batch
+from vlm_grpo_ma.loss import POLICY_LOSSES, aggregation_weights, policy_loss, segment_ids
+from vlm_grpo_ma.policy import CompletionScorer, SamplingSettings, encode_prompt, load_policy, prompt_generators, sequence_logprobs
+from vlm_grpo_ma.registry import Sample
+from vlm_grpo_ma.rollout import generate_rollout
+
+CLIP_LOW, CLIP_HIGH, EPS = 0.2, 0.28, 1e-6
+B, K, M = 2, 2, 3
+# Rewards [B, K, M] with ties and spread, so advantages differ within a thought (flat GRPO pushes a thought by
+# M different advantages) and across prompts.
+REWARDS = torch.tensor(
+    [[[1.0, 0.0, 0.5], [0.2, 0.9, 0.0]], [[0.3, 0.3, 1.0], [0.0, 1.0, 0.4]]], dtype=torch.float64
+)
+
+
+@pytest.fixture(scope="module")
+def double_policy(untrained_tiny_dir):
+    """The untrained tiny model in float64, so that the two paths differ only by rounding far below 1e-6."""
+    policy = load_policy(str(untrained_tiny_dir), attn_implementation="sdpa")
+    policy.model.double().eval()
+    return policy
+
+
+@pytest.fixture(scope="module")
+def sampled(double_policy):
+    """A real K x M tree from the model: 2 prompts (different images and question lengths), 2 thoughts, 3 answers."""
+    colours, sizes = [(220, 30, 30), (30, 200, 40)], [(168, 112), (112, 140)]
+    samples = [
+        Sample("grounding", str(i), "Locate: the red circle" + " please" * (2 * i), (Image.new("RGB", sizes[i], colours[i]),), [0, 0, 1, 1])
+        for i in range(B)
+    ]  # fmt: skip
+    prompts = [encode_prompt(double_policy, s, "Think.") for s in samples]
+    settings = SamplingSettings(max_thought_tokens=6, max_answer_tokens=5, generators=prompt_generators(3, 0, B))
+    with torch.no_grad():
+        rollout = generate_rollout(double_policy, samples, prompts, num_thoughts=K, num_answers=M, settings=settings)
+    return prompts, rollout
+
+
+def _old_logprobs_offset(rows: int, width: int) -> torch.Tensor:
+    """A fixed offset old = new - offset: importance ratios between e^-0.45 and e^0.45, so the clip acts on
+    some tokens in both directions. Position (row, j) is the same token in both paths."""
+    index = torch.arange(rows * width, dtype=torch.float64).reshape(rows, width)
+    return 0.45 * torch.sin(1.7 * index + 0.3)
+
+
+def _grads(policy) -> dict[str, torch.Tensor]:
+    grads = {name: p.grad.detach().clone() for name, p in policy.model.named_parameters() if p.grad is not None}
+    policy.model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _tree_gradient(policy, prompts, rollout, aggregation: str) -> dict[str, torch.Tensor]:
+    """The trainer's pieces: estimator -> batch -> aggregation weights -> shared-prefix scorer -> policy loss."""
+    thought_adv, answer_adv = compute_advantages("grpo", REWARDS, answer_baseline="prompt", scale_by_std=True, eps=EPS, unbiased=False)
+    batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts="close")
+    weights = aggregation_weights(
+        aggregation, batch.token_mask, batch.is_thought, flat=batch.flat, num_tokens=batch.num_trained_tokens(),
+        num_thoughts=B * K, num_answers=B * K * M, max_thought_tokens=6, max_answer_tokens=5,
+    )  # fmt: skip
+    scorer = CompletionScorer(policy, share_prefixes=True)
+    logprobs = scorer(prompts, batch.row_prompt, batch.completion_ids, batch.thought_lengths(), temperature=1.0).double()
+    old = logprobs.detach() - _old_logprobs_offset(*logprobs.shape)
+    loss, _ = policy_loss(
+        logprobs, old, batch.advantages.double(), weights, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, total_weight=1.0,
+        segments=segment_ids(batch.token_mask, batch.is_thought, flat=batch.flat),
+    )  # fmt: skip
+    loss.backward()
+    return _grads(policy)
+
+
+def _flat_reference_gradient(policy, prompts, rollout, aggregation: str) -> dict[str, torch.Tensor]:
+    """GRPO as published, written out here: each of the K*M sequences (thought + answer) re-encoded on its own,
+    every token of sequence i pushed by A_i = (r_i - mean) / (std + eps) over its prompt's G = K*M rewards,
+    PPO's clipped surrogate per token, and DeepSeekMath's ``1/B sum_b 1/G sum_i 1/|o_i| sum_t`` or DAPO's
+    ``1 / sum_i |o_i| sum_i sum_t``. Forced tokens (a truncated thought's closing tag) are not the policy's."""
+    tree = rollout.tree
+    width = max(len(tree.thought_ids[a // M]) + len(tree.answer_ids[a]) for a in range(B * K * M))
+    offsets = _old_logprobs_offset(B * K * M, width)
+    sequences = []  # (a, b, advantage, trained mask)
+    for b in range(B):
+        group = [float(r) for r in REWARDS[b].flatten()]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
+        for k in range(K):
+            t = b * K + k
+            for m in range(M):
+                a = t * M + m
+                trained = [not f for f in tree.thought_forced[t]] + [not tree.thought_ended_turn[t]] * len(tree.answer_ids[a])
+                sequences.append((a, b, (float(REWARDS[b, k, m]) - mean) / (std + EPS), trained))
+    total_tokens = sum(sum(trained) for *_, trained in sequences)
+    loss = 0.0
+    for a, b, advantage, trained in sequences:
+        completion = tree.thought_ids[a // M] + tree.answer_ids[a]
+        logprobs = sequence_logprobs(policy, [prompts[b]], [0], [completion], temperature=1.0)[0].double()
+        length = sum(trained)
+        for j, counted in enumerate(trained):
+            if not counted:
+                continue
+            ratio = torch.exp(offsets[a, j] + logprobs[j] - logprobs[j].detach())  # exp(new - old)
+            surrogate = -torch.minimum(ratio * advantage, ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * advantage)
+            weight = 1.0 / (B * K * M * length) if aggregation == "sequence" else 1.0 / total_tokens
+            loss = loss + weight * surrogate
+    loss.backward()
+    return _grads(policy)
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+def test_flat_grpo_through_the_tree_is_reencoding_the_k_times_m_sequences(double_policy, sampled, aggregation):
+    prompts, rollout = sampled
+    assert len(set(map(tuple, rollout.tree.thought_ids))) > 1 and any(len(ids) > 1 for ids in rollout.tree.thought_ids)
+    tree = _tree_gradient(double_policy, prompts, rollout, aggregation)
+    reference = _flat_reference_gradient(double_policy, prompts, rollout, aggregation)
+    assert tree.keys() == reference.keys() and len(tree) > 10
+    scale = max(float(g.abs().max()) for g in reference.values())
+    assert scale > 1e-3  # a gradient to compare, not zeros
+    worst = max(float((tree[name] - reference[name]).abs().max()) for name in reference)
+    assert worst < 1e-6 * max(1.0, scale), (aggregation, worst, scale)
+
+
+# --- policy losses against hand-computed tables ------------------------------------------------------------
+# One row, three trained tokens: a thought of two tokens (log-ratios 0.1, 0.3) and an answer of one (-0.5).
+NEW = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+OLD = NEW - torch.tensor([[0.1, 0.3, -0.5]], dtype=torch.float64)
+ADV = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64)
+MASK = torch.ones(1, 3, dtype=torch.float64)
+IS_THOUGHT = torch.tensor([[True, True, False]])
+
+
+def _loss_and_grad(name: str, *, clip_low=CLIP_LOW, flat=False):
+    new = NEW.clone().requires_grad_(True)
+    loss, stats = policy_loss(
+        new, OLD, ADV, MASK, clip_low=clip_low, clip_high=CLIP_HIGH, total_weight=1.0, surrogate=name,
+        segments=segment_ids(MASK, IS_THOUGHT, flat=flat),
+    )  # fmt: skip
+    loss.backward()
+    return float(loss.detach()), new.grad[0].tolist(), float(stats["clip_fraction_sum"])
+
+
+def test_gspo_uses_each_sequences_length_normalised_ratio_on_the_tree():
+    # thought: s = exp(mean(0.1, 0.3)) = e^0.2 = 1.22140, inside [0.8, 1.28]: both tokens -A * s, gradient -s each.
+    # answer: s = e^-0.5 = 0.60653 < 0.8 with A = -1: min(-0.60653, -0.8) = -0.8 is the clipped branch: loss 0.8, no gradient.
+    loss, grad, clipped = _loss_and_grad("gspo")
+    s = math.exp(0.2)
+    assert loss == pytest.approx(-2 * s + 0.8, abs=1e-12)
+    assert grad == pytest.approx([-s, -s, 0.0], abs=1e-12)
+    assert clipped == 1.0
+
+
+def test_gspo_flat_takes_the_whole_row_as_one_sequence():
+    # one sequence: s = exp(mean(0.1, 0.3, -0.5)) = e^(-0.1/3) = 0.96722, unclipped; loss -s*(1 + 1 - 1), gradient -A*s
+    loss, grad, clipped = _loss_and_grad("gspo", flat=True)
+    s = math.exp(-0.1 / 3)
+    assert loss == pytest.approx(-s, abs=1e-12)
+    assert grad == pytest.approx([-s, -s, s], abs=1e-12)
+    assert clipped == 0.0
+
+
+def test_cispo_clips_the_weight_but_keeps_every_tokens_gradient():
+    # weights: e^0.1 = 1.10517 and e^0.3 = 1.34986 -> clipped to 1.28; e^-0.5 = 0.60653 -> clipped up to 0.8.
+    # loss = -sum(w * A * logp); gradient -w * A.
+    loss, grad, clipped = _loss_and_grad("cispo")
+    w = [math.exp(0.1), 1.28, 0.8]
+    assert grad == pytest.approx([-w[0], -w[1], w[2]], abs=1e-12)
+    assert loss == pytest.approx(-(w[0] * -1.0 + w[1] * -2.0) + w[2] * -0.5, abs=1e-12)
+    assert clipped == 2.0
+    # MiniMax-M1 leaves the lower side open (clip_low = 1): the answer's weight stays 0.60653
+    _, open_grad, _ = _loss_and_grad("cispo", clip_low=1.0)
+    assert open_grad[2] == pytest.approx(math.exp(-0.5), abs=1e-12)
+
+
+def test_ppo_zeroes_the_gradient_of_clipped_tokens_where_cispo_does_not():
+    # ppo: e^0.3 = 1.34986 > 1.28 with A = 1: clipped, no gradient; e^-0.5 < 0.8 with A = -1: clipped, no gradient.
+    _, grad, clipped = _loss_and_grad("ppo")
+    assert grad == pytest.approx([-math.exp(0.1), 0.0, 0.0], abs=1e-12)
+    assert clipped == 2.0
+
+
+def test_an_unknown_policy_loss_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown policy loss 'grpo'; known: ppo, gspo, cispo"):
+        _loss_and_grad("grpo")
+
+
+def test_config_choices_are_the_registered_policy_losses():
+    from vlm_grpo_ma.config import CHOICES, ConfigError, load_config
+
+    assert CHOICES["algorithm.policy_loss"] == tuple(POLICY_LOSSES)
+    with pytest.raises(ConfigError, match="algorithm.policy_loss='sapo' is not valid; choose one of: ppo, gspo, cispo"):
+        load_config(None, ["algorithm.policy_loss=sapo"])
+
+
+def test_segment_ids_split_the_tree_rows_into_thought_and_answer_and_keep_flat_rows_whole():
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.float64)
+    is_thought = torch.tensor([[True, True, False, False], [True, True, False, False]])
+    assert segment_ids(mask, is_thought, flat=False).tolist() == [[0, 0, 1, -1], [-1, -1, 3, 3]]
+    assert segment_ids(mask, is_thought, flat=True).tolist() == [[0, 0, 0, -1], [-1, -1, 2, 2]]
+
+
+# --- DAPO's overlong shaping and dynamic sampling's signal test -------------------------------------------
+
+
+def test_overlong_penalty_ramps_over_the_buffer_before_the_limit():
+    lengths = torch.tensor([3, 6, 7, 8, 9, 10])
+    # max 10, buffer 4: free up to 6, then -1/4 per token, -1 at the limit (times the penalty)
+    assert overlong_penalty(lengths, max_tokens=10, buffer_tokens=4).tolist() == [0, 0, -0.25, -0.5, -0.75, -1.0]
+    assert overlong_penalty(lengths, max_tokens=10, buffer_tokens=4, penalty=0.5).tolist() == [0, 0, -0.125, -0.25, -0.375, -0.5]
+    assert overlong_penalty(lengths, max_tokens=10, buffer_tokens=0).tolist() == [0.0] * 6
+    with pytest.raises(ValueError, match="buffer_tokens must be in \\[0, max_tokens=10\\], got 11"):
+        overlong_penalty(lengths, max_tokens=10, buffer_tokens=11)
+
+
+def test_overlong_buffer_longer_than_the_limit_is_refused_at_start():
+    from vlm_grpo_ma.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="algorithm.overlong_buffer_answer_tokens=30 must be <= rollout.max_answer_tokens=24"):
+        load_config(None, ["algorithm.overlong_buffer_answer_tokens=30"])
+
+
+def test_informative_prompts_are_those_whose_rewards_differ():
+    rewards = torch.tensor([[[1.0, 1.0], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.5]], [[0.2, 0.2], [0.2, 0.2]]])
+    assert informative_prompts(rewards).tolist() == [False, True, False]
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dynamic_sampling_draws_more_prompts_counts_them_and_resumes_exactly(untrained_tiny_dir, tmp_path):
+    """The untrained model rarely writes the format, so most groups score all 0: the step draws again and
+    fills with uninformative groups when the draws run out. Stopped after step 1 and resumed = straight."""
+    extra = ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_draws=1", "train.checkpoint_every=1",
+             "data.reward_weights={format: 1.0, iou: 1.0}")  # fmt: skip
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train_module.train(tiny_run_config(untrained_tiny_dir, straight, *extra, steps=2))
+    train_module.train(tiny_run_config(untrained_tiny_dir, stopped, *extra, steps=1))
+    train_module.train(tiny_run_config(untrained_tiny_dir, stopped, *extra, steps=2), resume=True)
+    a, b = _metrics(straight), _metrics(stopped)
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
+    assert [r["signal/resampled_prompts"] for r in a] == [r["signal/resampled_prompts"] for r in b]
+    drawn = [r["signal/resampled_prompts"] for r in a]
+    assert all(d in (0, 2) for d in drawn) and sum(drawn) > 0  # whole extra draws of 2 prompts
+    for r in a:  # a step short of informative groups after its draws trains the uninformative ones it has
+        informative = 2 - r["signal/uninformative_groups_trained"]
+        assert r["signal/uninformative_groups_trained"] == 0 or r["signal/resampled_prompts"] == 2, r
+        assert r["signal/zero_prompt_groups"] == pytest.approx(1 - informative / 2)
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["counters"]["resampled_prompts"] == sum(drawn)
