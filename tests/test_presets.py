@@ -173,11 +173,13 @@ def test_every_grpo_baseline_preset_has_its_grpo_ma_pair():
 @pytest.mark.parametrize("t4a4, t16a1", PAIRS)
 def test_paired_presets_differ_only_in_k_m_and_what_m_forces(t4a4, t16a1):
     """T4A4 and its T16A1 baseline are one experiment: the same model, precision, data and optimiser; only K, M,
-    the run directory and (where T4A4 uses the thought baseline, which M = 1 cannot) the answer baseline differ."""
+    the run directory, the estimator (T16A1 is plain GRPO) and (where T4A4 uses the thought baseline, which
+    M = 1 cannot) the answer baseline differ."""
     ma = _flatten(load_config(ROOT / "configs" / t4a4).to_dict())
     grpo = _flatten(load_config(ROOT / "configs" / t16a1).to_dict())
     differing = {key for key in ma if ma[key] != grpo[key]}
-    allowed = {"rollout.num_thoughts", "rollout.num_answers", "train.output_dir"}
+    allowed = {"rollout.num_thoughts", "rollout.num_answers", "train.output_dir", "algorithm.advantage_estimator"}
+    assert (ma["algorithm.advantage_estimator"], grpo["algorithm.advantage_estimator"]) == ("grpo_ma", "grpo")
     if ma["algorithm.answer_baseline"] == "thought":
         allowed.add("algorithm.answer_baseline")
         assert grpo["algorithm.answer_baseline"] == "prompt"

@@ -52,9 +52,9 @@ class Setting:
         return cls(name, int(match[1]), int(match[2]))
 
     def overrides(self) -> list[str]:
-        # M = 1 is plain GRPO, whose answer advantage needs the prompt baseline; M >= 2 keeps the default
-        baseline = ["algorithm.answer_baseline=prompt"] if self.num_answers == 1 else []
-        return [f"rollout.num_thoughts={self.num_thoughts}", f"rollout.num_answers={self.num_answers}", *baseline]
+        # M = 1 rows are plain GRPO (each thought + answer one sequence of the objective); M >= 2 is GRPO-MA
+        estimator = ["algorithm.advantage_estimator=grpo"] if self.num_answers == 1 else []
+        return [f"rollout.num_thoughts={self.num_thoughts}", f"rollout.num_answers={self.num_answers}", *estimator]
 
 
 @dataclass(frozen=True)
