@@ -12,7 +12,10 @@ figure (FSDP: each rank must hold at most 55% of it); under FSDP also the reduce
 step, counted per rank (tests/fixtures/count_reduce_scatters.py): one per FSDP unit with trainable
 parameters, with 2 micro-batches per process and step.
 
-    .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--keep DIR]
+    .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--keep DIR] [--set KEY=VALUE ...]
+
+``--set`` adds config overrides to every run, e.g. another objective: ``--set algorithm.advantage_estimator=grpo
+algorithm.loss_aggregation=sequence algorithm.dynamic_sampling=true``.
 
 Why both optimisers and a schedule: AdamW divides the gradient by its running scale, so its weights cannot see a
 constant factor on the gradient (a wrong token normaliser, a gradient summed instead of averaged); SGD's can.
@@ -156,11 +159,13 @@ def check_reduce_scatters(run_dir: Path, processes: int) -> bool:
     return ok
 
 
-def check_optimizer(work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str = "ddp") -> bool:
+def check_optimizer(
+    work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str = "ddp", extra: tuple[str, ...] = ()
+) -> bool:
     """One optimiser: one process vs two, and two straight vs two stopped and resumed. Prints the figures."""
     from safetensors.torch import load_file
 
-    overrides = run_overrides(model_dir, steps, optimizer)
+    overrides = [*run_overrides(model_dir, steps, optimizer), *extra]
     one, two, resumed = work / f"{optimizer}-one-process", work / f"{optimizer}-two-{strategy}", work / f"{optimizer}-two-{strategy}-resumed"
     launch(one, overrides, 1)
     launch(two, overrides, 2, strategy=strategy, count=strategy == "fsdp")
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=sorted(LEARNING_RATES))
     parser.add_argument("--keep", help="keep the runs in this folder (default: a temporary folder)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides added to every run")
     args = parser.parse_args(argv)
     from vlm_grpo_ma.tiny import build_untrained
 
@@ -209,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(args.keep) if args.keep else Path(tmp)
         model_dir = build_untrained(work / "untrained", seed=0)
         print(f"strategy: {args.strategy}; steps: {args.steps} (warmup 1, then linear decay), global batch: 4 prompts x "
-              f"2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}")
-        results = [check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy) for name in args.optimizers]
+              f"2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}" + (f"; overrides: {' '.join(args.set)}" if args.set else ""))
+        results = [
+            check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, tuple(args.set)) for name in args.optimizers
+        ]
     ok = all(results)
     print("equivalent" if ok else "NOT equivalent")
     return 0 if ok else 1

@@ -44,3 +44,12 @@ def test_two_sharded_processes_train_what_one_process_trains_with_half_the_memor
     reference = next(line for line in out.splitlines() if line.strip().startswith("reference"))
     assert reference.count("(50.0%)") == 2, out
     assert "gradients reduced once per step (in the last micro-batch's backward only): yes" in out
+
+
+@pytest.mark.slow
+def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does():
+    """Flat GRPO (each thought trained on its M rows) under DeepSeekMath's per-sequence normaliser, with dynamic
+    sampling deciding its draws across processes: SGD sees a wrong normaliser or share as a weight difference.
+    Planted and seen to fail: the flat sequence weights divided by the process-local row count."""
+    _check("--strategy", "ddp", "--optimizers", "sgd", "--set", "algorithm.advantage_estimator=grpo",
+           "algorithm.loss_aggregation=sequence", "algorithm.dynamic_sampling=true")  # fmt: skip

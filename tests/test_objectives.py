@@ -14,7 +14,14 @@ from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma.advantages import compute_advantages, informative_prompts, overlong_penalty
 from vlm_grpo_ma.batch import build_train_batch
 from vlm_grpo_ma.loss import POLICY_LOSSES, aggregation_weights, policy_loss, segment_ids
-from vlm_grpo_ma.policy import CompletionScorer, SamplingSettings, encode_prompt, load_policy, prompt_generators, sequence_logprobs
+from vlm_grpo_ma.policy import (
+    CompletionScorer,
+    SamplingSettings,
+    encode_prompt,
+    load_policy,
+    prompt_generators,
+    sequence_logprobs,
+)
 from vlm_grpo_ma.registry import Sample
 from vlm_grpo_ma.rollout import generate_rollout
 
