@@ -4,6 +4,7 @@ CISPO) against hand-computed tables; DAPO's overlong shaping; dynamic sampling e
 
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -239,6 +240,34 @@ def test_overlong_buffer_longer_than_the_limit_is_refused_at_start():
 def test_informative_prompts_are_those_whose_rewards_differ():
     rewards = torch.tensor([[[1.0, 1.0], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.5]], [[0.2, 0.2], [0.2, 0.2]]])
     assert informative_prompts(rewards).tolist() == [False, True, False]
+
+
+def test_gathered_groups_keep_each_prompts_tree_and_scores_in_the_order_given():
+    from vlm_grpo_ma.policy import TreeSample
+    from vlm_grpo_ma.rewards import ScoredRollout, gather_scored_groups
+    from vlm_grpo_ma.rollout import Rollout, gather_groups
+
+    def draw(offset):  # B = 2 prompts, K = 2, M = 2; token ids say (draw, prompt, thought, answer)
+        tree = TreeSample(
+            thought_ids=[[offset + 10 * t] for t in range(4)], thought_logprobs=[[-1.0]] * 4, thought_forced=[[False]] * 4,
+            thought_truncated=[False, True, False, False], thought_ended_turn=[False] * 4,
+            answer_ids=[[offset + a] for a in range(8)], answer_logprobs=[[-2.0]] * 8, answer_truncated=[False] * 8,
+            vision_images_encoded=2,
+        )  # fmt: skip
+        rollout = Rollout([f"s{offset}-0", f"s{offset}-1"], [f"p{offset}-0", f"p{offset}-1"], 2, 2, tree, [f"c{offset + a}" for a in range(8)])
+        scored = ScoredRollout(torch.zeros(2, 2, 2), {}, [{"reward": float(offset + a)} for a in range(8)])
+        return rollout, scored
+
+    (first, first_scores), (second, second_scores) = draw(100), draw(200)
+    rollout = gather_groups([(second, 1), (first, 0)])
+    assert rollout.samples == ["s200-1", "s100-0"] and rollout.prompts == ["p200-1", "p100-0"]
+    assert rollout.tree.thought_ids == [[220], [230], [100], [110]]
+    assert rollout.tree.thought_truncated == [False, False, False, True]
+    assert rollout.tree.answer_ids == [[204], [205], [206], [207], [100], [101], [102], [103]]
+    assert rollout.completions[0] == "c204" and rollout.tree.vision_images_encoded == 4
+    scored = gather_scored_groups([(second_scores, 1), (first_scores, 0)], Counter(drawn=2))
+    assert scored.rewards.tolist() == [[[204, 205], [206, 207]], [[100, 101], [102, 103]]]
+    assert scored.counters == Counter(drawn=2)
 
 
 def _metrics(run_dir):

@@ -86,7 +86,6 @@ def score_rollout(
     ``truncated_thoughts == "zero"``. The task rewards run in ``workers`` worker processes, each call under a
     deadline of ``timeout_s`` seconds (``rollout.reward_timeout_s``); the result does not depend on ``workers``."""
     counters: Counter = Counter()
-    flat_rewards: list[float] = []
     flat_parts: list[dict[str, float]] = []
     tree = rollout.tree
     jobs = []
@@ -110,7 +109,6 @@ def score_rollout(
             reward = 0.0
             counters["answers_after_ended_turn"] += int(tree.thought_ended_turn[t])
         parts["reward"] = reward
-        flat_rewards.append(reward)
         flat_parts.append(parts)
     for t in range(len(tree.thought_ids)):
         counters["thought_truncated"] += int(tree.thought_truncated[t])

@@ -53,13 +53,11 @@ def gather_groups(groups: Sequence[tuple[Rollout, int]]) -> Rollout:
     K, M = first.num_thoughts, first.num_answers
     thought_rows = [(r, r.thought_row(b, k)) for r, b in groups for k in range(K)]
     answer_rows = [(r, r.answer_row(b, k, m)) for r, b in groups for k in range(K) for m in range(M)]
-    per_thought = {"thought_ids", "thought_logprobs", "thought_forced", "thought_truncated", "thought_ended_turn"}
     columns = {}
-    for item in fields(TreeSample):
-        if item.name == "vision_images_encoded":
-            continue
-        rows = thought_rows if item.name in per_thought else answer_rows
-        columns[item.name] = [getattr(r.tree, item.name)[i] for r, i in rows]
+    for item in fields(TreeSample):  # thought_* fields hold a row per thought, answer_* fields one per answer
+        if item.name.startswith(("thought_", "answer_")):
+            rows = thought_rows if item.name.startswith("thought_") else answer_rows
+            columns[item.name] = [getattr(r.tree, item.name)[i] for r, i in rows]
     encoded = sum({id(r): r.tree.vision_images_encoded for r, _ in groups}.values())
     return Rollout(
         samples=[r.samples[b] for r, b in groups],
