@@ -52,14 +52,15 @@ def test_bad_values_name_the_key_and_the_choices(override, message):
 def test_thought_baseline_needs_several_answers():
     with pytest.raises(ConfigError, match="answer_baseline='thought' needs rollout.num_answers >= 2"):
         load_config(None, ["algorithm.answer_baseline=thought", "rollout.num_answers=1", "rollout.num_thoughts=16"])
-    # the default baseline is the paper's "prompt": M = 1 alone is plain GRPO
-    assert load_config(None, ["rollout.num_answers=1", "rollout.num_thoughts=16"]).algorithm.answer_baseline == "prompt"
+    # the default baseline is "thought": asking for plain GRPO by overrides alone names the settings to add
+    with pytest.raises(ConfigError, match="set algorithm.advantage_estimator=grpo and algorithm.answer_baseline=prompt"):
+        load_config(None, ["rollout.num_answers=1", "rollout.num_thoughts=16"])
 
 
 def test_flat_grpo_needs_the_prompt_baseline():
     with pytest.raises(ConfigError, match="advantage_estimator=grpo normalises .* set algorithm.answer_baseline=prompt .it is 'thought'"):
-        load_config(None, ["algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=thought"])
-    cfg = load_config(None, ["algorithm.advantage_estimator=grpo"])
+        load_config(None, ["algorithm.advantage_estimator=grpo"])
+    cfg = load_config(None, ["algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"])
     assert cfg.algorithm.advantage_estimator == "grpo"
 
 

@@ -51,5 +51,5 @@ def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does
     """Flat GRPO (each thought trained on its M rows) under DeepSeekMath's per-sequence normaliser, with dynamic
     sampling deciding its draws across processes: SGD sees a wrong normaliser or share as a weight difference.
     Planted and seen to fail: the flat sequence weights divided by the process-local row count."""
-    _check("--strategy", "ddp", "--optimizers", "sgd", "--set", "algorithm.advantage_estimator=grpo",
+    _check("--strategy", "ddp", "--optimizers", "sgd", "--set", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt",
            "algorithm.loss_aggregation=sequence", "algorithm.dynamic_sampling=true")  # fmt: skip

@@ -5,6 +5,7 @@ CISPO) against hand-computed tables; DAPO's overlong shaping; dynamic sampling e
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from vlm_grpo_ma.policy import (
 from vlm_grpo_ma.registry import Sample
 from vlm_grpo_ma.rollout import generate_rollout
 
+LENGTH_TASK = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")  # rewards the untrained model varies on
 CLIP_LOW, CLIP_HIGH, EPS = 0.2, 0.28, 1e-6
 B, K, M = 2, 2, 3
 # Rewards [B, K, M] with ties and spread, so advantages differ within a thought (flat GRPO pushes a thought by
@@ -294,3 +296,28 @@ def test_dynamic_sampling_draws_more_prompts_counts_them_and_resumes_exactly(unt
         assert r["signal/zero_prompt_groups"] == pytest.approx(1 - informative / 2)
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["counters"]["resampled_prompts"] == sum(drawn)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm.policy_loss=cispo",),
+        ("algorithm.policy_loss=gspo", "algorithm.num_iterations=2", "algorithm.clip_low=0.0003", "algorithm.clip_high=0.0004"),
+        ("algorithm.loss_aggregation=dr_grpo", "algorithm.scale_by_std=false", "algorithm.overlong_buffer_answer_tokens=3"),
+    ],
+)
+def test_each_objective_trains_from_the_config(untrained_tiny_dir, tmp_path, overrides):
+    """Each objective trains from the config. The loop passes the configured policy loss to the update: CISPO's
+    logged loss is its REINFORCE form (``train/loss == train/pg_loss`` at ratio 1, where PPO's is ``-sum(w * A)``;
+    planted: the update always using ppo, seen to fail). GSPO trains a reused rollout, clipping at its paper's
+    range; Dr.GRPO with overlong shaping logs the penalty part."""
+    task = ("data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]")
+    train_module.train(tiny_run_config(untrained_tiny_dir, tmp_path, *task, *overrides, steps=2))
+    records = _metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    if "algorithm.policy_loss=cispo" in overrides:
+        assert [r["train/loss"] for r in records] == pytest.approx([r["train/pg_loss"] for r in records], rel=1e-4)
+    if "algorithm.policy_loss=gspo" in overrides:
+        assert any(r["train/clip_fraction"] > 0 for r in records)  # sequence ratios leave [1 - 3e-4, 1 + 4e-4]
+    if "algorithm.overlong_buffer_answer_tokens=3" in overrides:
+        assert all(r["reward/overlong"] <= 0 for r in records) and any(r["reward/overlong"] < 0 for r in records)

@@ -68,10 +68,11 @@ class AlgorithmConfig:
     # answer) sequences, each normalised over the prompt's K*M, a thought trained in each of its M sequences
     # with that sequence's advantage (exactly re-encoding the K*M; needs answer_baseline=prompt).
     advantage_estimator: str = "grpo_ma"
-    # The group an answer's reward is normalised over. "prompt" (GRPO-MA's paper): the prompt's K*M answers, so
-    # M = 1 is plain GRPO. "thought": its thought's M answers, so answer tokens are pushed only by what they
-    # control given the thought (needs M >= 2).
-    answer_baseline: str = "prompt"
+    # The group an answer's reward is normalised over. "thought" (the default): its thought's M answers, so answer
+    # tokens are pushed only by what they control given the thought (needs M >= 2); it gained the most held-out
+    # IoU on the embedded task (docs/TUNING.md). "prompt" (GRPO-MA's paper, the GPU presets): the prompt's K*M
+    # answers; with M = 1 that is plain GRPO.
+    answer_baseline: str = "thought"
     scale_by_std: bool = True  # false: Dr.GRPO's advantages (reward minus the group mean, no std division)
     std_unbiased: bool = False
     eps: float = 1e-6
@@ -274,8 +275,8 @@ def validate(cfg: Config) -> Config:
     if cfg.algorithm.answer_baseline == "thought" and cfg.rollout.num_answers < 2:
         raise ConfigError(
             "algorithm.answer_baseline='thought' needs rollout.num_answers >= 2 (with one answer per thought"
-            " every answer advantage would be 0); for plain GRPO (M = 1) set algorithm.answer_baseline=prompt, as"
-            " configs/tiny-grounding-t16a1.yaml does"
+            " every answer advantage would be 0); for plain GRPO (M = 1) set algorithm.advantage_estimator=grpo and"
+            " algorithm.answer_baseline=prompt, as configs/tiny-grounding-t16a1.yaml does"
         )
     if cfg.algorithm.advantage_estimator == "grpo" and cfg.algorithm.answer_baseline != "prompt":
         raise ConfigError(

@@ -25,7 +25,8 @@ def rollout_metrics(
     ``reward/<task>/<part>`` over its own prompts of the step."""
     tree = rollout.tree
     metrics = {"reward/mean": float(scored.rewards.mean()), "reward/std": float(scored.rewards.std())}
-    part_names = sorted({name for task in tasks.values() for name in task.metrics} & set(scored.parts))
+    logged = {name for task in tasks.values() for name in task.metrics} | {"overlong"}  # + the trainer's shaping
+    part_names = sorted(logged & set(scored.parts))
     for name in part_names:
         metrics[f"reward/{name}"] = _nan_mean(scored.parts[name])
     if len(tasks) > 1:

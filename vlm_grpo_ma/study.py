@@ -53,7 +53,7 @@ class Setting:
 
     def overrides(self) -> list[str]:
         # M = 1 rows are plain GRPO (each thought + answer one sequence of the objective); M >= 2 is GRPO-MA
-        estimator = ["algorithm.advantage_estimator=grpo"] if self.num_answers == 1 else []
+        estimator = ["algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"] if self.num_answers == 1 else []
         return [f"rollout.num_thoughts={self.num_thoughts}", f"rollout.num_answers={self.num_answers}", *estimator]
 
 
