@@ -137,6 +137,8 @@ class RunTrackers:
             "metrics.jsonl, rollouts.jsonl and eval/ are intact.", tracker.name, what, type(error).__name__, error,
         )  # fmt: skip
         self.trackers = [t for t in self.trackers if t is not tracker]
+        if what == "finish":
+            return
         try:  # flush what it has, if it still can
             tracker.finish()
         except Exception:  # noqa: BLE001, S110 - already warned once
@@ -261,11 +263,17 @@ def completion_rows(records: list[dict], images: list) -> list[dict]:
             rows.append({
                 "step": record["step"], "sample_id": record["sample_id"], "task": record["task"],
                 "prompt": record["question"], "image": picture, "thought": thought["thought"],
-                "thought_advantage": thought.get("thought_advantage"),
+                "thought_advantage": _one_type(thought.get("thought_advantage")),
                 "answers": "\n".join(f"[{m}] reward {a['reward']:.3f}: {a['answer']}" for m, a in enumerate(thought["answers"])),
                 "rewards": json.dumps(rewards),
             })  # fmt: skip
     return rows
+
+
+def _one_type(advantage):
+    """A per-answer thought advantage (a list: estimators whose thought advantage is [B, K, M]) as JSON text,
+    so a table column keeps one type (W&B refuses a column that mixes numbers and lists)."""
+    return json.dumps(advantage) if isinstance(advantage, list) else advantage
 
 
 def table_data(rows: list[dict], make_image) -> list[list]:
