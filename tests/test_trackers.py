@@ -325,9 +325,13 @@ def test_an_unknown_tracker_is_refused_naming_the_valid_ones():
 
 
 def test_none_and_the_other_processes_open_no_tracker(tmp_path):
-    # run_setup passes [] on every process but the main one: nothing is started and no state is written
+    # run_setup passes [] on every process but the main one: nothing is started, and the run's trackers.json
+    # (the main process's) is neither read nor written
+    (tmp_path / "trackers.json").write_text('{"wandb": {"id": "abc", "last_step": 3}}')
     for names in ([], ["none"]):
         trackers = open_trackers(names, tmp_path)
         trackers.log_metrics(1, {"reward/mean": 1.0})
         trackers.close()
-        assert trackers.trackers == [] and not (tmp_path / "trackers.json").exists()
+        assert trackers.trackers == [] and trackers.state_path is None
+    assert (tmp_path / "trackers.json").read_text() == '{"wandb": {"id": "abc", "last_step": 3}}'
+    assert not (tmp_path / "trackers.json.tmp").exists()

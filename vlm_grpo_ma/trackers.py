@@ -178,6 +178,8 @@ def open_trackers(names: list[str], run_dir: Path, *, project: str = "vlm-grpo-m
                   tags: list[str] = (), offline: bool = True, params: dict | None = None, start_step: int = 0) -> RunTrackers:  # fmt: skip
     """Start the trackers ``names`` for the run in ``run_dir`` (reopening the runs ``trackers.json`` names).
     A tracker that fails to start logs one warning and is left out. Call on the main process only."""
+    if all(name == NONE for name in names):  # the other processes, too: they neither read nor write trackers.json
+        return RunTrackers([], None, {})
     run_dir = Path(run_dir)
     state_path = run_dir / STATE_FILE
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
