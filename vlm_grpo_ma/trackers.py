@@ -274,7 +274,7 @@ def completion_rows(records: list[dict], images: list) -> list[dict]:
 
 def _one_type(advantage):
     """A per-answer thought advantage (a list: estimators whose thought advantage is [B, K, M]) as JSON text,
-    so a table column keeps one type (W&B refuses a column that mixes numbers and lists)."""
+    like the rewards column: the tables hold numbers and text only, which every tracker's table takes."""
     return json.dumps(advantage) if isinstance(advantage, list) else advantage
 
 
