@@ -69,7 +69,7 @@ def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
         "rollout.max_thought_tokens=8",
         "rollout.max_answer_tokens=6",
         "logging.progress_bar=false",
-        "logging.tensorboard=false",
+        "logging.report_to=[]",
         "train.eval_every=0",
         "data.task=answer_length",
         f"data.task_modules=[{TASK_MODULE}]",

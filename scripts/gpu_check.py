@@ -275,7 +275,7 @@ def train_command(args, model_dir: Path, run_dir: Path, *, thoughts: int = 4, an
         f"train.checkpoint_every={steps}",  # the trainer always saves after the last step: only that one
         "train.keep_checkpoints=1",
         "train.eval_every=0",
-        "logging.tensorboard=false",
+        "logging.report_to=[]",
         "logging.progress_bar=false",
         "logging.rollout_samples_per_step=1",
     ]  # fmt: skip

@@ -31,3 +31,23 @@ if ! .venv/bin/python -c "$ready" 2>/dev/null; then
   .venv/bin/python -c "$ready"
   echo "setup done"
 fi
+# EXTRAS=trackers (comma-separated extras of pyproject.toml): installed too, unless each of their
+# requirements is already installed. .ci/run asks for the trackers extra; the default setup leaves it out.
+if [ -n "${EXTRAS:-}" ]; then
+  extras_ready='import importlib.metadata as m, re, sys
+wanted = sys.argv[1].split(",")
+reqs = [r for r in m.requires("vlm-grpo-ma") or [] if any(f"extra == \"{e}\"" in r for e in wanted)]
+assert reqs, f"no requirements for extras {wanted}"
+for r in reqs:
+    m.version(re.match(r"[A-Za-z0-9_.-]+", r).group())'
+  if ! .venv/bin/python -c "$extras_ready" "$EXTRAS" 2>/dev/null; then
+    echo "installing the extras: $EXTRAS ..."
+    log=.venv/setup.log
+    if ! .venv/bin/pip install -q -e ".[dev,$EXTRAS]" >>"$log" 2>&1; then
+      grep -v "^WARNING: Location" "$log" | tail -40 >&2
+      echo "setup failed during: pip install -e .[dev,$EXTRAS]  (full log: $log)" >&2
+      exit 1
+    fi
+    .venv/bin/python -c "$extras_ready" "$EXTRAS"
+  fi
+fi

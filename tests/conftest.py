@@ -43,7 +43,7 @@ TINY_RUN = (
     "rollout.max_thought_tokens=8",
     "rollout.max_answer_tokens=6",
     "logging.progress_bar=false",
-    "logging.tensorboard=false",
+    "logging.report_to=[]",
     "train.eval_every=0",
 )
 

@@ -39,7 +39,7 @@ def test_nested_dict_override():
         ("rollout.num_thoughts=1", "rollout.num_thoughts=1 must be >= 2"),
         ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in"),
         ("train.learning_rate=-1", "train.learning_rate=-1.0 must be > 0"),
-        ("logging.tensorboard=maybe", "logging.tensorboard='maybe' must be true or false"),
+        ("logging.progress_bar=maybe", "logging.progress_bar='maybe' must be true or false"),
         ("numanswers", "must look like section.key=value"),
     ],
 )

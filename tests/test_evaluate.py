@@ -196,7 +196,7 @@ def test_cli_compares_the_embedded_model_and_a_trained_checkpoint(untrained_tiny
     cfg = load_config(None, [f"model.name_or_path={untrained_tiny_dir}", f"train.output_dir={run}", "train.steps=1",
                              "train.prompts_per_step=2", "rollout.num_thoughts=2", "rollout.num_answers=2",
                              "rollout.max_thought_tokens=6", "rollout.max_answer_tokens=6",
-                             "logging.progress_bar=false", "logging.tensorboard=false", "train.eval_every=0"])
+                             "logging.progress_bar=false", "logging.report_to=[]", "train.eval_every=0"])
     train_module.train(cfg)
     out = tmp_path / "eval"
     args = ["--models", "tiny", str(run), "--limit", "3", "--max-thought-tokens", "8", "--max-answer-tokens", "8",

@@ -42,7 +42,7 @@ def test_the_example_task_trains_and_evaluates_from_the_command_line(task_file, 
         "--task", "count_shapes", f"data.task_modules=[{task_file}]", f"model.name_or_path={untrained_tiny_dir}",
         f"train.output_dir={run}", "train.steps=1", "train.prompts_per_step=2", "rollout.num_thoughts=2",
         "rollout.num_answers=2", "rollout.max_thought_tokens=6", "rollout.max_answer_tokens=4",
-        "logging.progress_bar=false", "logging.tensorboard=false", "train.eval_every=0",
+        "logging.progress_bar=false", "logging.report_to=[]", "train.eval_every=0",
     ])
     assert code == 0
     assert "reward/accuracy" in json.loads((run / "metrics.jsonl").read_text().splitlines()[0])

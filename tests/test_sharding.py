@@ -127,7 +127,7 @@ def test_lora_under_fsdp_trains_what_one_process_trains(untrained_tiny_dir, tmp_
         f"model.name_or_path={untrained_tiny_dir}", "model.lora_rank=4", "train.steps=2", "train.learning_rate=0.01",
         "train.prompts_per_step=4", "train.micro_batch_rows=4", "train.num_threads=1", "rollout.num_thoughts=2",
         "rollout.num_answers=2", "rollout.max_thought_tokens=8", "rollout.max_answer_tokens=6", "train.eval_every=0",
-        "logging.progress_bar=false", "logging.tensorboard=false", "train.max_grad_norm=1e6", "data.task=answer_length",
+        "logging.progress_bar=false", "logging.report_to=[]", "train.max_grad_norm=1e6", "data.task=answer_length",
         f"data.task_modules=[{ROOT / 'tests' / 'fixtures' / 'answer_length_task.py'}]",
     ]  # fmt: skip
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/cpu-2proc-fsdp.yaml")]

@@ -315,13 +315,15 @@ def test_a_resumed_run_replaces_its_relogged_steps_in_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from vlm_grpo_ma.metrics import RunLogger
+    from vlm_grpo_ma.trackers import open_trackers
 
-    first = RunLogger(tmp_path, tensorboard=True, progress_bar=False, total_steps=3, start_step=0)
+    first = RunLogger(tmp_path, trackers=open_trackers(["tensorboard"], tmp_path), progress_bar=False, total_steps=3, start_step=0)
     for step in (1, 2, 3):
         first.log_step(step, {"reward/mean": float(step)})
     first.close()
     time.sleep(1.1)  # event files are named by the second: the resumed run's file sorts after the first's
-    resumed = RunLogger(tmp_path, tensorboard=True, progress_bar=False, total_steps=3, start_step=1)
+    resumed = RunLogger(tmp_path, trackers=open_trackers(["tensorboard"], tmp_path, start_step=1), progress_bar=False,
+                        total_steps=3, start_step=1)  # fmt: skip
     for step in (2, 3):
         resumed.log_step(step, {"reward/mean": 10.0 + step})
     resumed.close()

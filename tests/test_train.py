@@ -41,7 +41,7 @@ def _crash_the_update_of_step_3(monkeypatch):
 
 
 def test_run_writes_its_outputs(untrained_tiny_dir, tmp_path):
-    cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.checkpoint_every=2", "logging.tensorboard=true")
+    cfg = _cfg(untrained_tiny_dir, tmp_path / "run", "train.checkpoint_every=2", "logging.report_to=[tensorboard]")
     summary = train_module.train(cfg)
     run = tmp_path / "run"
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
@@ -307,7 +307,7 @@ def test_a_fresh_run_refuses_a_directory_holding_a_run_unless_told(untrained_tin
     run = tmp_path / "run"
     args = ["--task", "grounding", f"model.name_or_path={untrained_tiny_dir}", "--output-dir", str(run), "train.steps=1",
             "train.prompts_per_step=1", "rollout.num_thoughts=2", "rollout.num_answers=2", "rollout.max_thought_tokens=4",
-            "rollout.max_answer_tokens=4", "train.eval_every=0", "logging.progress_bar=false", "logging.tensorboard=false"]
+            "rollout.max_answer_tokens=4", "train.eval_every=0", "logging.progress_bar=false", "logging.report_to=[]"]
     assert cli.main(args) == 0
     first = (run / "metrics.jsonl").read_text()
     capsys.readouterr()

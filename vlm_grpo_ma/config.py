@@ -19,6 +19,7 @@ import yaml
 
 from vlm_grpo_ma.advantages import ADVANTAGE_ESTIMATORS
 from vlm_grpo_ma.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
+from vlm_grpo_ma.trackers import check_report_to
 
 
 class ConfigError(ValueError):
@@ -144,8 +145,18 @@ class TrainConfig:
 @dataclass
 class LoggingConfig:
     log_every: int = 1
-    rollout_samples_per_step: int = 2  # rollouts dumped to rollouts.jsonl per step
-    tensorboard: bool = True
+    rollout_samples_per_step: int = 2  # rollouts dumped to rollouts.jsonl per step (and rows of the completions table)
+    # Where the metrics also go (trackers.TRACKERS): tensorboard, wandb, mlflow, swanlab, trackio; [] or [none]:
+    # metrics.jsonl only. All but tensorboard need `pip install -e .[trackers]`.
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "vlm-grpo-ma"  # the trackers' project (MLflow: experiment)
+    run_name: str | None = None  # None: the name of train.output_dir
+    tags: list[str] = field(default_factory=list)
+    # true: W&B and SwanLab in their offline modes, MLflow in a SQLite file of the run folder, trackio local; no
+    # network. false: each library's own settings (WANDB_MODE, MLFLOW_TRACKING_URI, SWANLAB_MODE, ...).
+    offline: bool = True
+    rollout_every: int = 10  # a completions table to the trackers every N steps (0: never)
+    eval_drawings: int = 4  # held-out images drawn per task at each evaluation (eval/step-N/draw/, and trackers)
     progress_bar: bool = True
 
 
@@ -223,8 +234,14 @@ NON_NEGATIVE = (
     "train.num_threads",
     "train.eval_every",
     "logging.rollout_samples_per_step",
+    "logging.rollout_every",
+    "logging.eval_drawings",
     "train.seed",
 )
+# Keys that were renamed: the error says what to write instead.
+REPLACED_KEYS = {
+    "logging.tensorboard": "list the trackers in logging.report_to (e.g. logging.report_to=[tensorboard], or [] for none)",
+}
 # Integers far beyond any sensible run overflow torch/numpy calls mid-start with a traceback; refuse them.
 MAX_INT = 2**31 - 1
 MAX_SEED = 2**32 - 1
@@ -305,6 +322,10 @@ def validate(cfg: Config) -> Config:
     for name, weight in cfg.data.reward_weights.items():
         if not isinstance(weight, (int, float)):
             raise ConfigError(f"data.reward_weights.{name}={weight!r} must be a number")
+    try:
+        check_report_to(cfg.logging.report_to)
+    except ValueError as error:
+        raise ConfigError(f"logging.report_to={cfg.logging.report_to}: {error}") from None
     return cfg
 
 
@@ -365,6 +386,8 @@ def _apply(section_obj: Any, section_name: str, values: dict[str, Any]) -> None:
     names = [f.name for f in dataclasses.fields(section_obj)]
     for key, value in values.items():
         if key not in names:
+            if f"{section_name}.{key}" in REPLACED_KEYS:
+                raise ConfigError(f"{section_name}.{key} is gone: {REPLACED_KEYS[f'{section_name}.{key}']}")
             raise ConfigError(f"unknown config key {section_name}.{key}; valid keys: {', '.join(names)}")
         if isinstance(value, bool) and "no" in CHOICES.get(f"{section_name}.{key}", ()):
             value = "yes" if value else "no"  # YAML 1.1 reads a bare `no` (e.g. mixed_precision: no) as false

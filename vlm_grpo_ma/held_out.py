@@ -6,7 +6,7 @@ from pathlib import Path
 
 from vlm_grpo_ma import sharding
 from vlm_grpo_ma.config import Config, ConfigError
-from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
+from vlm_grpo_ma.evaluate import EvalSettings, draw_predictions, evaluate_task
 from vlm_grpo_ma.policy import Policy
 from vlm_grpo_ma.registry import Sample, Task
 
@@ -30,17 +30,20 @@ def load_eval_sets(cfg: Config, tasks: dict[str, Task]) -> dict[str, tuple[Task,
 
 
 def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path) -> dict[str, float]:
-    """Greedy evaluation with the evaluate CLI's code; per-sample records go to ``folder/<task>.jsonl``."""
+    """Greedy evaluation with the evaluate CLI's code; per-sample records go to ``folder/<task>.jsonl`` and,
+    for tasks that draw, the first ``logging.eval_drawings`` samples with truth and prediction drawn to
+    ``folder/draw/<task>/`` (the CLI's ``draw_predictions``; the trackers log them)."""
     settings = EvalSettings(
         max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens, seed=cfg.train.seed
     )
     folder.mkdir(parents=True, exist_ok=True)
     metrics = {}
     for name, (task, samples) in eval_sets.items():
-        task_metrics, _ = evaluate_task(
+        task_metrics, records = evaluate_task(
             policy, task, samples, settings, batch_size=cfg.train.prompts_per_step * cfg.rollout.num_thoughts,
             records_path=folder / f"{name}.jsonl", progress=False,
         )
+        draw_predictions(task, samples, records, folder / "draw" / name, cfg.logging.eval_drawings)
         metrics.update({f"eval/{name}/{key}": value for key, value in task_metrics.items()})
     return metrics
 

@@ -8,33 +8,30 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vlm_grpo_ma.trackers import RunTrackers, completion_rows, drawings_in
+
 
 class RunLogger:
-    """Writes one JSON line per logged step (and TensorBoard scalars); only the main process makes one."""
+    """Writes one JSON line per logged step and sends it to the run's trackers (``trackers.RunTrackers``:
+    TensorBoard, W&B, MLflow, SwanLab, trackio as configured); only the main process makes one with trackers.
+    The completions table goes to the trackers every ``rollout_every`` steps (0: never)."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, progress_bar: bool, total_steps: int, start_step: int):
+    def __init__(self, run_dir: Path, *, trackers: RunTrackers, progress_bar: bool, total_steps: int, start_step: int,
+                 rollout_every: int = 0):  # fmt: skip
         self.run_dir = Path(run_dir)
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         self.rollouts_file = open(self.run_dir / "rollouts.jsonl", "a")
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: TensorBoard drops the earlier events of the steps a resumed run logs again
-            purge_step = start_step + 1 if start_step else 0
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+        self.trackers = trackers
+        self.rollout_every = rollout_every
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not progress_bar, unit="step", dynamic_ncols=True)
 
     def log_step(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
-        """One metrics record (and TensorBoard scalars); ``advance=False`` for a record that is not a
+        """One metrics record (and the trackers' scalars); ``advance=False`` for a record that is not a
         training step (the held-out evaluation before the first step) leaves the progress bar alone."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         self.metrics_file.write(json.dumps({"step": step, **clean}) + "\n")
         self.metrics_file.flush()
-        if self.writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
+        self.trackers.log_metrics(step, metrics)
         if not advance:
             return
         postfix = {"reward": f"{metrics.get('reward/mean', float('nan')):.3f}"}
@@ -43,17 +40,25 @@ class RunLogger:
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
 
-    def log_rollouts(self, records: list[dict]) -> None:
+    def log_rollouts(self, step: int, records: list[dict], images: list | None = None) -> None:
+        """The step's readable trees to rollouts.jsonl, and every ``rollout_every`` steps to the trackers as the
+        completions table (``images``: each record's prompt image, a path or PIL image, or None)."""
         for record in records:
             self.rollouts_file.write(json.dumps(record) + "\n")
         self.rollouts_file.flush()
+        if records and self.rollout_every and step % self.rollout_every == 0 and self.trackers.trackers:
+            self.trackers.log_completions(step, completion_rows(records, images or [None] * len(records)))
+
+    def log_drawings(self, step: int, folder: Path) -> None:
+        """The held-out drawings of the evaluation after ``step`` (``folder``: its draw/ folder) to the trackers."""
+        if self.trackers.trackers and Path(folder).is_dir():
+            self.trackers.log_images(step, drawings_in(folder))
 
     def close(self) -> None:
         self.bar.close()
         self.metrics_file.close()
         self.rollouts_file.close()
-        if self.writer is not None:
-            self.writer.close()
+        self.trackers.close()
 
 
 def drop_records_after(run_dir: Path, step: int) -> None:

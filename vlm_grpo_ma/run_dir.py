@@ -12,11 +12,12 @@ from pathlib import Path
 from vlm_grpo_ma import checkpoint as ckpt
 from vlm_grpo_ma.config import ConfigError
 from vlm_grpo_ma.metrics import format_summary, read_metrics, summarize
+from vlm_grpo_ma.trackers import TRACKER_OUTPUTS
 
 log = logging.getLogger("vlm_grpo_ma.train")
 
 
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "rollouts.jsonl", "summary.json", "eval", "tensorboard", "config.yaml")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "rollouts.jsonl", "summary.json", "eval", "config.yaml", *TRACKER_OUTPUTS)
 
 
 def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool = True) -> None:

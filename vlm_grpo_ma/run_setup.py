@@ -29,6 +29,7 @@ from vlm_grpo_ma.policy import CompletionScorer, Policy, count_parameters, load_
 from vlm_grpo_ma.registry import Sample, Task, count_load_skips, get_task, import_task_modules
 from vlm_grpo_ma.rewards import check_reward_overrides
 from vlm_grpo_ma.run_dir import checkpoint_to_resume, claim_run_dir
+from vlm_grpo_ma.trackers import open_trackers, run_params
 from vlm_grpo_ma.update import score_rows
 
 log = logging.getLogger("vlm_grpo_ma.train")
@@ -127,12 +128,18 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
             num_processes,
             cfg.train.prompts_per_step // num_processes,
         )
+    trackers = open_trackers(  # only the main process logs
+        cfg.logging.report_to if accelerator.is_main_process else [], run_dir, project=cfg.logging.project,
+        run_name=cfg.logging.run_name, tags=cfg.logging.tags, offline=cfg.logging.offline,
+        params=run_params(cfg.to_dict()) if accelerator.is_main_process else {}, start_step=start_step,
+    )  # fmt: skip
     logger = RunLogger(
         run_dir,
-        tensorboard=cfg.logging.tensorboard and accelerator.is_main_process,
+        trackers=trackers,
         progress_bar=cfg.logging.progress_bar and accelerator.is_main_process,
         total_steps=cfg.train.steps,
         start_step=start_step,
+        rollout_every=cfg.logging.rollout_every,
     )
     counters = Counter(history_state["counters"]) if history_state else Counter()
     for reason, n in load_skips.items():  # set, not added: a resumed run has loaded (and skipped) them again

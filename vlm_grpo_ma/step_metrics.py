@@ -64,8 +64,11 @@ def timing_metrics(rollout: Rollout, batch: TrainBatch, step_seconds: float, rol
     return metrics
 
 
-def rollout_records(step: int, rollout: Rollout, scored: ScoredRollout, how_many: int) -> list[dict]:
-    """A readable dump of the first ``how_many`` prompts of the step: thought, answers and their rewards."""
+def rollout_records(
+    step: int, rollout: Rollout, scored: ScoredRollout, how_many: int, thought_adv: torch.Tensor | None = None
+) -> list[dict]:
+    """A readable dump of the first ``how_many`` prompts of the step: thought, answers and their rewards, and
+    with ``thought_adv`` ([B, K] or [B, K, M]) each thought's advantage (a number, or its M answers' list)."""
     records = []
     for b in range(min(how_many, rollout.num_prompts)):
         sample = rollout.samples[b]
@@ -76,6 +79,9 @@ def rollout_records(step: int, rollout: Rollout, scored: ScoredRollout, how_many
                 a = rollout.answer_row(b, k, m)
                 answers.append({"answer": rollout.completions[a].answer, **scored.per_answer_parts[a]})
             thoughts.append({"thought": rollout.completions[rollout.answer_row(b, k, 0)].thought, "answers": answers})
+            if thought_adv is not None:  # [B, K], or [B, K, M] where an estimator gives each answer its own
+                value = thought_adv[b, k]
+                thoughts[-1]["thought_advantage"] = float(value) if value.dim() == 0 else value.tolist()
         images = [img if isinstance(img, str) else "<in-memory image>" for img in sample.images]
         records.append(
             {"step": step, "task": sample.task, "sample_id": sample.id, "images": images, "question": sample.question,

@@ -81,7 +81,7 @@ class Grid:
             f"train.checkpoint_every={max(1, self.steps // 4)}",
             "train.keep_checkpoints=1",
             "logging.progress_bar=false",
-            "logging.tensorboard=false",
+            "logging.report_to=[]",
             "logging.rollout_samples_per_step=0",
             *self.extra,
         ]

@@ -48,6 +48,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         held_out = evaluate(run, 0)
         if accelerator.is_main_process:
             run.logger.log_step(0, held_out, advance=False)
+            run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
     step, guard, completed = run.start_step, UpdateGuard(), run.completed_state()
     restore_sigterm = survive.raise_on_sigterm()  # SIGTERM saves and stops like Ctrl-C (exit code 143)
     try:
@@ -77,7 +78,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             if accelerator.is_main_process:
                 if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluating:
                     run.logger.log_step(step, metrics)
-                run.logger.log_rollouts(rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step))
+                if evaluating:  # the drawings of truth and greedy prediction the evaluation wrote
+                    run.logger.log_drawings(step, eval_folder(run, step) / "draw")
+                trees = rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step, thought_adv)
+                run.logger.log_rollouts(step, trees, [s.images[0] if s.images else None for s in rollout.samples[: len(trees)]])
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 save_checkpoint(run, step, completed)
                 accelerator.wait_for_everyone()
@@ -208,8 +212,11 @@ def step_metrics(
 
 def evaluate(run: RunState, step: int) -> dict[str, float]:
     """Held-out evaluation after ``step`` steps (0: before the first); records in ``eval/step-NNNNNN/``."""
-    folder = run.run_dir / "eval" / f"step-{step:06d}"
-    return evaluate_during_training(run.policy, run.scorer, run.accelerator, run.eval_sets, run.cfg, folder)
+    return evaluate_during_training(run.policy, run.scorer, run.accelerator, run.eval_sets, run.cfg, eval_folder(run, step))
+
+
+def eval_folder(run: RunState, step: int):
+    return run.run_dir / "eval" / f"step-{step:06d}"
 
 
 def save_checkpoint(run: RunState, step: int, completed: dict) -> None:
