@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RUN, tiny_run_config
+from PIL import Image
 from safetensors.torch import load_file
 
 from tasks import grounding
@@ -22,7 +23,7 @@ from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma import update as update_module
 from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
 from vlm_grpo_ma.data import PromptStream, TaskMixture
-from vlm_grpo_ma.policy import ImageLoadError, open_image
+from vlm_grpo_ma.policy import ImageLoadError, encode_prompt, open_image
 from vlm_grpo_ma.registry import count_load_skips
 from vlm_grpo_ma.survive import NonFiniteError
 from vlm_grpo_ma.task_api import read_rows
@@ -106,6 +107,36 @@ def test_sigterm_saves_the_last_completed_step_and_resume_continues(untrained_ti
 def test_an_image_over_the_pixel_limit_is_an_image_load_error(tmp_path):
     with pytest.raises(ImageLoadError, match="DecompressionBombError"):
         open_image(str(_bomb_png(tmp_path / "huge.png")))
+
+
+# Images PIL opens but the processor refuses (Qwen: an aspect ratio of 200 or more), beside PIL's own refusal
+IMAGE_GALLERY = {
+    "wide_2000x8": lambda path: Image.new("RGB", (2000, 8)).save(path) or path,
+    "tall_8x2000": lambda path: Image.new("RGB", (8, 2000)).save(path) or path,
+    "over_the_pixel_limit": lambda path: _bomb_png(path),
+}
+
+
+@pytest.mark.parametrize("name", list(IMAGE_GALLERY))
+def test_hostile_images_are_image_load_errors(name, tiny_policy, tmp_path):
+    image = IMAGE_GALLERY[name](tmp_path / f"{name}.png")
+    sample = grounding.load()[0]
+    hostile = type(sample)(sample.task, "hostile", sample.question, (str(image),), sample.answer, sample.meta)
+    with pytest.raises(ImageLoadError):
+        encode_prompt(tiny_policy, hostile, "")
+
+
+def test_a_data_file_with_an_image_the_processor_refuses_trains_to_the_end(untrained_tiny_dir, tmp_path):
+    wide = IMAGE_GALLERY["wide_2000x8"](tmp_path / "wide.png")
+    rows = [json.loads(line) for line in _grounding_source(tmp_path, wide).read_text().splitlines()[:4]]
+    rows[-1]["width"], rows[-1]["height"] = 2000, 8  # the row holding the wide image, found mid-run
+    source = tmp_path / "wide.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=2", f"data.source={source}"))
+    records = _records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[-1]["count/skipped_broken_images"] >= 1
 
 
 def _grounding_source(tmp_path, bomb):

@@ -213,12 +213,24 @@ def prompt_messages(sample: Sample, instruction: str) -> list[dict]:
 
 
 def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPrompt:
-    """Chat template + processor for one sample. Raises ImageLoadError for a broken or missing image."""
+    """Chat template + processor for one sample. Raises ImageLoadError for a broken or missing image, and for
+    one the processor refuses."""
     images = [open_image(image) for image in sample.images]
     text = policy.processor.apply_chat_template(
         prompt_messages(sample, instruction), add_generation_prompt=True, tokenize=False
     )
-    encoded = policy.processor(text=[text], images=images or None, return_tensors="pt")
+    try:
+        encoded = policy.processor(text=[text], images=images or None, return_tensors="pt")
+    except Exception as error:
+        if not images:
+            raise
+        # The processor has limits of its own that PIL does not know (Qwen's: an aspect ratio under 200, so a
+        # 2000x8 image raises ValueError), and what it raises differs between families and versions: any
+        # error on a prompt with images skips that sample, as an unreadable image does, rather than the run.
+        sizes = ", ".join(f"{width}x{height}" for width, height in (image.size for image in images))
+        raise ImageLoadError(
+            f"sample {sample.id}: the processor refused its image(s) ({sizes}): {type(error).__name__}: {error}"
+        ) from error
     if images:
         grid, pixel_values = encoded["image_grid_thw"], encoded["pixel_values"]
     else:  # a text-only prompt (math word problems, code): no vision rows
