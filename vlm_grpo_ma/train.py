@@ -74,6 +74,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             update = update_policy(scorer, batch, prompts, cfg, accelerator, run.optimizer, run.reference, guard)
             survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
             run.scheduler.step()
+            # The grad norm joins the spike history before the step's state is taken: a checkpoint of this
+            # step must hold it, or a resumed run's next ratios are computed over a window one step short.
+            update["train/grad_norm_spike_ratio"] = run.spikes.observe(update["train/grad_norm"])
             step, guard.weights_changed, completed = step + 1, False, run.completed_state()
 
             metrics = step_metrics(run, rollout, scored, (thought_adv, answer_adv), batch, update, learning_rate,
@@ -147,10 +150,9 @@ def step_metrics(
     learning_rate: float, seconds: tuple[float, float],
 ) -> dict:
     """The step's figures, averaged over the processes (``distributed.mean_over_processes``). ``seconds``: the
-    step's and its rollout's wall time. The grad norm joins the spike monitor's history here."""
+    step's and its rollout's wall time."""
     metrics = rollout_metrics(rollout, scored, *advantages, run.tasks)
     metrics.update(update)
-    metrics["train/grad_norm_spike_ratio"] = run.spikes.observe(update["train/grad_norm"])
     metrics.update(sharding.state_bytes(run.policy.model, run.optimizer, run.accelerator.process_index, getattr(run.reference, "module", None)))
     metrics.update(timing_metrics(rollout, batch, *seconds))
     metrics.update(
