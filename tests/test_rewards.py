@@ -2,6 +2,7 @@
 rewards past their deadline scored 0 and counted; the result independent of the number of workers."""
 
 import os
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import reward_test_tasks  # noqa: F401 - registers the test tasks
 import torch
 
 from vlm_grpo_ma.registry import Completion, Sample, Task, get_task, register_task
-from vlm_grpo_ma.reward_pool import RewardError, RewardTimeout
+from vlm_grpo_ma.reward_pool import RewardError, RewardPool, RewardTimeout
 from vlm_grpo_ma.rewards import score_rollout, task_reward
 from vlm_grpo_ma.rollout import Rollout
 
@@ -88,6 +89,26 @@ def test_a_reward_past_its_deadline_scores_zero_is_counted_and_killed(how, worke
     assert not _alive(pid), "the worker stuck in the reward still runs"
     again = score_rollout(make_rollout("hang_on_request", [["ok", "ok"]], num_answers=1), workers=workers)
     assert again.rewards.flatten().tolist() == [1, 1]  # the pool carries on with a replacement worker
+
+
+def test_the_call_after_an_interrupted_one_returns_its_own_results(tmp_path):
+    pool = RewardPool()
+    started = [tmp_path / f"old-{i}" for i in range(2)]
+    old_jobs = [(reward_test_tasks.tag_after, f"old-{i}", (2.0, str(started[i]))) for i in range(2)]
+
+    def interrupt_when_both_run():  # Ctrl-C in the trainer while both workers are inside a reward
+        while not all(path.exists() for path in started):
+            time.sleep(0.01)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_both_run, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(old_jobs, workers=2, timeout_s=30)
+        new_jobs = [(reward_test_tasks.tag_after, f"new-{i}", (0.0, None)) for i in range(2)]
+        assert pool.run(new_jobs, workers=2, timeout_s=30) == [({"tag": "new-0"}, None), ({"tag": "new-1"}, None)]
+    finally:
+        pool.close()
 
 
 def test_a_worker_that_dies_scores_zero_and_is_counted():
