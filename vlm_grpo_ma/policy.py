@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from vlm_grpo_ma.config import SEED_STRIDE
 from vlm_grpo_ma.coords import CoordinateFrame, Size
 from vlm_grpo_ma.images import ImageLoadError, decode_image  # noqa: F401  (ImageLoadError: re-exported)
 from vlm_grpo_ma.registry import Sample
@@ -360,7 +361,7 @@ class SamplingSettings:
 
 def prompt_generators(seed: int, first_prompt: int, count: int) -> list[torch.Generator]:
     """Generators of prompts ``first_prompt .. first_prompt + count - 1`` of a draw seeded by ``seed``."""
-    return [torch.Generator().manual_seed(seed * 1_000_003 + first_prompt + p) for p in range(count)]
+    return [torch.Generator().manual_seed(seed * SEED_STRIDE + first_prompt + p) for p in range(count)]
 
 
 def _policy_logprobs(logits: torch.Tensor, temperature: float, suppressed: list[int]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from vlm_grpo_ma import checkpoint as ckpt
 from vlm_grpo_ma import lora, sharding, survive
 from vlm_grpo_ma.advantages import compute_advantages
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
-from vlm_grpo_ma.config import Config
+from vlm_grpo_ma.config import SEED_STRIDE, Config
 from vlm_grpo_ma.data import PromptStream
 from vlm_grpo_ma.distributed import mean_over_processes, sum_over_processes
 from vlm_grpo_ma.held_out import evaluate_during_training
@@ -141,7 +141,7 @@ def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: in
         max_answer_tokens=cfg.rollout.max_answer_tokens,
         thought_stop=cfg.rollout.thought_stop,
         answer_stop=cfg.rollout.answer_stop,
-        generators=prompt_generators(cfg.train.seed * 1_000_003 + step, first_prompt, num_prompts),
+        generators=prompt_generators(cfg.train.seed * SEED_STRIDE + step, first_prompt, num_prompts),
     )
 
 
