@@ -566,6 +566,37 @@ def test_the_judge_ends_the_run_at_its_own_deadline_when_the_trainer_side_cannot
         process.wait()
 
 
+def _processes_working_in(folder) -> list[int]:
+    """Live processes whose working directory is under ``folder`` (the judge, init and program of a run)."""
+    found = []
+    for pid in _sandbox._pids():
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(str(folder)) and _session_of(pid) is not None:
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_a_reward_past_its_deadline_leaves_no_sandbox_behind(tmp_path, monkeypatch):
+    # The issue's case: a program that sleeps at import under a reward deadline shorter than the sandbox's
+    # wall-clock limit. The pool kills the worker at the deadline; its judge must not outlive it.
+    from vlm_grpo_ma.reward_pool import RewardPool, RewardTimeout
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the worker's sandbox folders go here
+    pool = RewardPool()
+    try:
+        program = "import time\ntime.sleep(60)\ndef add(a, b):\n    return a + b"
+        [(parts, error)] = pool.run([(code.reward, _completion(_answer(program)), ADD)], workers=1, timeout_s=1.0)
+    finally:
+        pool.close()
+    assert parts is None and isinstance(error, RewardTimeout)
+    deadline = time.monotonic() + 2.0
+    while _processes_working_in(tmp_path) or list(tmp_path.glob("vlm-sandbox-*")):
+        assert time.monotonic() < deadline, (_processes_working_in(tmp_path), list(tmp_path.glob("vlm-sandbox-*")))
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_gigabytes_of_output_are_cut_off(isolation):
     for program in (
