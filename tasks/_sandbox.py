@@ -50,7 +50,9 @@ docs/SANDBOX.md for what each mode guarantees.
 Parent-enforced (always): a wall-clock limit; a byte cap on stdout+stderr (the run is killed when it is
 exceeded: "output_limit"); at the end the process group is killed and /proc is swept for survivors (same
 uid, session or process group) before the working directory on the host is deleted (iteratively, so any
-depth of nested folders goes).
+depth of nested folders goes). Judge-enforced (always): the judge's guard does the same when the trainer's
+side is gone (its lifeline pipe closes: a reward worker killed at its deadline, a trainer killed) or has not
+ended the run by the wall-clock limit plus _GUARD_GRACE_S (see _start_guard).
 
 In-process (always; an audit hook, PEP 578, installed before the program runs; "audit_hook" layer when it
 enforces): any of these ends the run at once with status "blocked" and zero tests passed: process creation
