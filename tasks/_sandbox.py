@@ -1140,7 +1140,10 @@ def _start_guard(lifeline: int, workdir: str, deadline_s: float, uid: int | None
         end = time.monotonic() + deadline_s
         while time.monotonic() < end and not select.select([lifeline], [], [], end - time.monotonic())[0]:
             pass
-        os.killpg(judge, 9)  # the judge and its init (the program dies with its init: PR_SET_PDEATHSIG)
+        try:
+            os.killpg(judge, 9)  # the judge and its init (the program dies with its init: PR_SET_PDEATHSIG)
+        except ProcessLookupError:
+            pass  # the judge's group is gone already (it ended without killing its guard): sweep and remove
         _sweep(judge, uid, spare=os.getpid())
         _remove_tree(workdir)
     finally:

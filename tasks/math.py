@@ -24,8 +24,7 @@ Equivalence (``is_equivalent``), tried in this order:
   5. when math-verify cannot parse a side, or the screen below refuses it (prose such as "The answer is 12"
      has too many letters to be a formula), the answer is right when each side holds exactly one number and
      those match as in 3 ("5 or 6" and "1, 2, 3" hold several and are wrong), unless the answer applies a
-     function to its number (a LaTeX command outside ``\\text{}``, or a factorial: ``\\Gamma(\\Gamma(5))``,
-     which the screen refuses, is not 5).
+     function the screen guards to its number (``\\Gamma(\\Gamma(5))``, refused by the screen, is not 5).
 Answers longer than MAX_ANSWER_CHARS are wrong without being read: no ground truth is that long.
 
 Answers that are not the answer (rule 2). Math-verify and the one-number fallback read the value out of an
@@ -493,14 +492,14 @@ def refused_form(prediction: str, truth: str, precision: int | None = None) -> b
 
 
 _FACTORIAL = re.compile(r"[\d)}\]]\s*!")
+_BINOMIAL = re.compile(r"\\[dt]?binom(?![A-Za-z])|\\choose(?![A-Za-z])")
 
 
 def applies_a_function(text: str) -> bool:
-    """Whether ``text`` applies a function or relation to its numbers: a LaTeX command outside ``\\text{}``-like
-    groups (``\\Gamma(5)``, ``\\sqrt{5}``, ``x \\geq 5``) or a factorial. Its one number is then not its value.
-    Hedges (``\\approx``) are rule 2's to judge, not functions."""
-    bare = _HEDGE.sub(" ", _TEXT_GROUP.sub(" ", text))
-    return _COMMAND.search(bare) is not None or _FACTORIAL.search(text) is not None
+    """Whether ``text`` applies one of the functions the screen guards (``_GROWING``, a factorial, a binomial)
+    to its numbers: its one number is then not its value (``\\Gamma(\\Gamma(5))`` is not 5). Other commands
+    (``\\sqrt{5}``) pass the screen and math-verify judges them; formatting (``\\textbf{5}``) stays readable."""
+    return any(pattern.search(text) for pattern in (_GROWING, _FACTORIAL, _BINOMIAL))
 
 
 def is_equivalent(
