@@ -143,19 +143,19 @@ def test_non_finite_and_out_of_range_values_are_refused(override, message):
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("steps, prompts", [(400, 16), (1, 1), (10**6, 64)])
-def test_the_largest_valid_seed_samples_every_step_and_the_next_one_overflows(steps, prompts):
+@pytest.mark.parametrize("steps", [400, 1, 10**6])
+def test_the_largest_valid_seed_samples_every_step_and_the_next_one_overflows(steps):
     from vlm_grpo_ma.config import SEED_STRIDE, max_seed
     from vlm_grpo_ma.policy import prompt_generators
 
-    highest = max_seed(steps, prompts)
-    cfg = load_config(None, [f"train.seed={highest}", f"train.steps={steps}", f"train.prompts_per_step={prompts}"])
+    highest = max_seed(steps)
+    cfg = load_config(None, [f"train.seed={highest}", f"train.steps={steps}"])
     last_step_seed = cfg.train.seed * SEED_STRIDE + steps - 1  # as train.sampling_settings seeds the last step
-    assert len(prompt_generators(last_step_seed, prompts - 1, 1)) == 1
+    assert len(prompt_generators(last_step_seed, SEED_STRIDE - 1, 1)) == 1  # its last possible prompt
     with pytest.raises(ValueError, match="Overflow"):
-        prompt_generators(last_step_seed + SEED_STRIDE, prompts - 1, 1)  # train.seed = highest + 1
+        prompt_generators(last_step_seed + SEED_STRIDE, SEED_STRIDE - 1, 1)  # train.seed = highest + 1
     with pytest.raises(ConfigError, match=rf"train.seed={highest + 1} is out of range: valid seeds are 0 .. {highest} "):
-        load_config(None, [f"train.seed={highest + 1}", f"train.steps={steps}", f"train.prompts_per_step={prompts}"])
+        load_config(None, [f"train.seed={highest + 1}", f"train.steps={steps}"])
 
 
 def test_invalid_yaml_names_the_file_and_line(tmp_path):

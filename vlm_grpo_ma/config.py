@@ -113,7 +113,7 @@ class TrainConfig:
     # clip the gradient's global norm to this; must be > 0 (0 would zero every update while the logged norm
     # looks normal). No "off" value: a large one (1e9) leaves the gradients as they are.
     max_grad_norm: float = 1.0
-    seed: int = 0  # 0 .. max_seed(steps, prompts_per_step), about 1.8e7: the sampling seeds must fit 64 bits
+    seed: int = 0  # 0 .. max_seed(steps), about 1.84e7: the sampling seeds must fit in 64 bits
     output_dir: str = "runs/grounding-tiny"
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -211,10 +211,11 @@ MAX_INT = 2**31 - 1
 SEED_STRIDE = 1_000_003
 
 
-def max_seed(steps: int, prompts_per_step: int) -> int:
-    """The largest ``train.seed`` whose sampling seeds fit in 64 bits for every step and prompt of a run
-    (about 1.84e7 for any run of under a million steps)."""
-    largest_offset = (max(steps, 1) - 1) * SEED_STRIDE + max(prompts_per_step, 1) - 1
+def max_seed(steps: int) -> int:
+    """The largest ``train.seed`` whose sampling seeds fit in 64 bits for every step of a run of ``steps``
+    steps, with room for SEED_STRIDE - 1 prompts a step, any redraws included (about 1.84e7 for any run of
+    under a million steps)."""
+    largest_offset = max(steps, 1) * SEED_STRIDE - 1  # step steps - 1, prompt SEED_STRIDE - 1
     return (2**64 - 1 - largest_offset) // SEED_STRIDE**2
 
 
@@ -256,7 +257,7 @@ def validate(cfg: Config) -> Config:
     for key in NON_NEGATIVE:
         if _get(cfg, key) is not None and not _get(cfg, key) >= 0:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
-    highest_seed = max_seed(cfg.train.steps, cfg.train.prompts_per_step)
+    highest_seed = max_seed(cfg.train.steps)
     if not 0 <= cfg.train.seed <= highest_seed:
         raise ConfigError(
             f"train.seed={cfg.train.seed} is out of range: valid seeds are 0 .. {highest_seed} (each prompt's"
