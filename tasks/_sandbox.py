@@ -50,7 +50,9 @@ docs/SANDBOX.md for what each mode guarantees.
 Parent-enforced (always): a wall-clock limit; a byte cap on stdout+stderr (the run is killed when it is
 exceeded: "output_limit"); at the end the process group is killed and /proc is swept for survivors (same
 uid, session or process group) before the working directory on the host is deleted (iteratively, so any
-depth of nested folders goes).
+depth of nested folders goes). Judge-enforced (always): the judge's guard does the same when the trainer's
+side is gone (its lifeline pipe closes: a reward worker killed at its deadline, a trainer killed) or has not
+ended the run by the wall-clock limit plus _GUARD_GRACE_S (see _start_guard).
 
 In-process (always; an audit hook, PEP 578, installed before the program runs; "audit_hook" layer when it
 enforces): any of these ends the run at once with status "blocked" and zero tests passed: process creation
@@ -292,11 +294,13 @@ class _ProgramMemoryError(Exception):
     """The program ran out of memory while answering a call."""
 
 
-def _judge_main(result_fd: int) -> None:
+def _judge_main(result_fd: int, lifeline: int) -> None:
     import builtins
     import select
 
     job = _read_frame(0, 1 << 30)  # the program's part; the tests are read only after the fork below
+    guard = _start_guard(lifeline, job["workdir"], job["deadline_s"], job["uid"])
+    os.close(lifeline)
     libc = _libc()
     layers = _judge_namespaces(libc) if job["namespaces"] and libc is not None else []
 
@@ -415,6 +419,8 @@ def _judge_main(result_fd: int) -> None:
     else:
         report(f"program_exit {status}")
     os.waitpid(init_pid, 0)
+    os.kill(guard, 9)  # the run ended in time: the trainer's side removes the working directory
+    os.waitpid(guard, 0)
     report("done")
 
 
@@ -462,9 +468,15 @@ def _run_tests(tests: dict, program_names: list[str], program_modules: dict, pro
 
 
 def _builtin_error(builtins, name) -> type:
-    """The built-in exception class called ``name`` (a program's own classes arrive as Exception)."""
+    """The built-in exception class called ``name`` (a program's own classes arrive as Exception), except
+    that StopIteration and StopAsyncIteration arrive as RuntimeError: raised inside ``map``, ``filter`` or a
+    generator of the tests, they would end its iteration silently, and ``all(map(f, xs))``,
+    ``list(filter(f, xs)) == []`` or ``set(map(f, xs)) <= {...}`` would pass for a program whose every call
+    fails (PEP 479 turns them into RuntimeError at a generator's boundary for the same reason)."""
     value = vars(builtins).get(name) if type(name) is str else None
-    return value if type(value) is type and issubclass(value, BaseException) else Exception
+    if type(value) is not type or not issubclass(value, BaseException):
+        return Exception
+    return RuntimeError if issubclass(value, (StopIteration, StopAsyncIteration)) else value
 
 
 def _error_name(builtins, error: BaseException) -> str:
@@ -1006,8 +1018,140 @@ def _make_audit_hook(*, reply_write, workdir, readable_dirs, enforce, flush_stre
     return hook
 
 
+# ============================================================================================ cleanup
+# Used by the trainer's side after every run and by the judge's guard when the trainer's side is gone, so
+# defined above the judge's entry point (the judge never imports the parent side's modules).
+
+
+def _sweep(session: int, uid: int | None, spare: int | None = None) -> int:
+    """SIGKILL every process of the sandbox ``uid``, or in the child's session or process group (the
+    child's pid), but ``spare`` (the guard sweeping), until none is left; returns how many were killed.
+    Processes that left the session with setsid() are found by uid only (with the uid layer, no process can
+    be started at all by default)."""
+    import time
+
+    killed = 0
+    for _ in range(20):
+        found = [pid for pid in _pids() if pid != spare and _belongs(pid, session, uid)]
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, 9)  # SIGKILL (the signal module is imported by the parent side only)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
+    return killed
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+
+
+def _belongs(pid: int, session: int, uid: int | None) -> bool:
+    """A live (not zombie) process of the sandbox uid, or of the child's session or process group."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        if fields[0] in (b"Z", b"X"):
+            return False  # already dead; its reaper (pid 1 or a subreaper) owns it now
+        if int(fields[2]) == session or int(fields[3]) == session:
+            return True
+        return uid is not None and os.stat(f"/proc/{pid}").st_uid == uid
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def _remove_tree(path: str) -> None:
+    """Delete the directory ``path`` and everything in it, at any depth. Iterative, with one directory
+    descriptor open at a time (``shutil.rmtree`` recurses: a couple of thousand nested folders exceed the
+    recursion limit and PATH_MAX, and the working directory would leak); each directory is made
+    accessible first, since the program may have taken its permissions away."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        os.chmod(path, 0o700)
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return
+    names: list[str] = []  # the directories from ``path`` down to the one ``fd`` is open on
+    try:
+        while True:
+            child = None
+            with os.scandir(fd) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        child = entry.name
+                        break
+                    os.unlink(entry.name, dir_fd=fd)
+            if child is not None:
+                try:
+                    os.chmod(child, 0o700, dir_fd=fd)
+                except PermissionError:
+                    pass  # not ours to change (the sandbox uid's, as root): root needs no permission
+                deeper = os.open(child, flags, dir_fd=fd)
+                os.close(fd)
+                fd = deeper
+                names.append(child)
+            elif names:
+                parent = os.open("..", flags, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                os.rmdir(names.pop(), dir_fd=fd)
+            else:
+                break
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+# The judge's own deadline. Without it only the trainer's side (a reward worker) ended a run: a worker killed
+# at its reward deadline, a trainer killed with SIGKILL or interrupted left the judge, its init and the
+# program running for good (the judge runs in a session of its own) and the working directory on disk. The
+# guard is a process, not a thread or a signal timer of the judge: the judge may sit in a long C call of a
+# test, and a signal handler or thread would wait for it. It lives outside the judge's process group (so
+# that it can kill the group) but in its session (so that the trainer's sweep ends it with the rest).
+_GUARD_GRACE_S = 1.0  # past the trainer's own wall-clock limit, which normally ends the run first
+
+
+def _start_guard(lifeline: int, workdir: str, deadline_s: float, uid: int | None) -> int:
+    """Fork the judge's guard and return its pid. The guard waits until ``deadline_s`` seconds have passed
+    or ``lifeline`` reads as closed (nothing is ever written to it: the trainer's side holds the other end
+    until the run is over, so end of file means that process is gone), then kills the judge's process group
+    and every process of the judge's session or the sandbox ``uid``, and removes ``workdir``."""
+    judge = os.getpid()
+    guard = os.fork()
+    if guard != 0:
+        return guard
+    try:
+        import select
+        import time
+
+        os.setpgid(0, 0)
+        # Hold none of the trainer's pipes open (its reads would wait for the guard): only the lifeline.
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, lifeline)
+        os.closerange(lifeline + 1, os.sysconf("SC_OPEN_MAX"))
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end and not select.select([lifeline], [], [], end - time.monotonic())[0]:
+            pass
+        try:
+            os.killpg(judge, 9)  # the judge and its init (the program dies with its init: PR_SET_PDEATHSIG)
+        except ProcessLookupError:
+            pass  # the judge's group is gone already (it ended without killing its guard): sweep and remove
+        _sweep(judge, uid, spare=os.getpid())
+        _remove_tree(workdir)
+    finally:
+        os._exit(0)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--judge"]:
-    _judge_main(int(sys.argv[2]))
+    _judge_main(int(sys.argv[2]), int(sys.argv[3]))
     os._exit(0)
 
 
@@ -1131,6 +1275,7 @@ def run_tests(
             "uid": uid,
             "namespaces": isolation.namespaces,
             "audit_hook": isolation.audit_hook,
+            "deadline_s": float(limits.wall_s) + _GUARD_GRACE_S,
             "limits": {
                 "cpu_s": int(limits.cpu_s),
                 "memory_bytes": int(limits.memory_mb) << 20,
@@ -1164,6 +1309,9 @@ class _RawRun:
 
 def _run_child(job: bytes, workdir: str, uid: int | None, limits: Limits) -> _RawRun:
     result_read, result_write = os.pipe()
+    # The judge's guard reads the end of this process from the lifeline (see _start_guard); it is closed
+    # only after the run's processes are gone.
+    lifeline_read, lifeline_write = os.pipe()
     env = {
         "PATH": "/usr/bin:/bin",
         "LANG": "C.UTF-8",
@@ -1172,7 +1320,9 @@ def _run_child(job: bytes, workdir: str, uid: int | None, limits: Limits) -> _Ra
         "TMPDIR": workdir,
         "PYTHONDONTWRITEBYTECODE": "1",
     }
-    command = [sys.executable, "-I", "-S", "-B", str(SANDBOX_FILE), "--judge", str(result_write)]
+    command = [
+        sys.executable, "-I", "-S", "-B", str(SANDBOX_FILE), "--judge", str(result_write), str(lifeline_read)
+    ]  # fmt: skip
     start = time.monotonic()
     try:
         process = subprocess.Popen(
@@ -1180,16 +1330,17 @@ def _run_child(job: bytes, workdir: str, uid: int | None, limits: Limits) -> _Ra
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            pass_fds=(result_write,),
+            pass_fds=(result_write, lifeline_read),
             cwd=workdir,
             env=env,
             start_new_session=True,
         )
     except BaseException:
-        os.close(result_read)
-        os.close(result_write)
+        for fd in (result_read, result_write, lifeline_read, lifeline_write):
+            os.close(fd)
         raise
     os.close(result_write)
+    os.close(lifeline_read)
     try:
         try:
             process.stdin.write(job)
@@ -1201,6 +1352,7 @@ def _run_child(job: bytes, workdir: str, uid: int | None, limits: Limits) -> _Ra
         _kill_all(process, uid)
         process.stdout.close()
         os.close(result_read)
+        os.close(lifeline_write)
     raw.returncode = process.returncode
     raw.wall_s = time.monotonic() - start
     return raw
@@ -1362,88 +1514,6 @@ def _kill_all(process: subprocess.Popen, uid: int | None) -> None:
             pass
     process.wait()
     _sweep(process.pid, uid)
-
-
-def _sweep(session: int, uid: int | None) -> int:
-    """SIGKILL every process of the sandbox ``uid``, or in the child's session or process group (the
-    child's pid), until none is left; returns how many were killed. Processes that left the session with
-    setsid() are found by uid only (with the uid layer, no process can be started at all by default)."""
-    killed = 0
-    for _ in range(20):
-        found = [pid for pid in _pids() if _belongs(pid, session, uid)]
-        if not found:
-            break
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.01)
-    return killed
-
-
-def _pids() -> list[int]:
-    try:
-        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return []
-
-
-def _belongs(pid: int, session: int, uid: int | None) -> bool:
-    """A live (not zombie) process of the sandbox uid, or of the child's session or process group."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        if fields[0] in (b"Z", b"X"):
-            return False  # already dead; its reaper (pid 1 or a subreaper) owns it now
-        if int(fields[2]) == session or int(fields[3]) == session:
-            return True
-        return uid is not None and os.stat(f"/proc/{pid}").st_uid == uid
-    except (OSError, IndexError, ValueError):
-        return False
-
-
-def _remove_tree(path: str) -> None:
-    """Delete the directory ``path`` and everything in it, at any depth. Iterative, with one directory
-    descriptor open at a time (``shutil.rmtree`` recurses: a couple of thousand nested folders exceed the
-    recursion limit and PATH_MAX, and the working directory would leak); each directory is made
-    accessible first, since the program may have taken its permissions away."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-    try:
-        os.chmod(path, 0o700)
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        return
-    names: list[str] = []  # the directories from ``path`` down to the one ``fd`` is open on
-    try:
-        while True:
-            child = None
-            with os.scandir(fd) as entries:
-                for entry in entries:
-                    if entry.is_dir(follow_symlinks=False):
-                        child = entry.name
-                        break
-                    os.unlink(entry.name, dir_fd=fd)
-            if child is not None:
-                try:
-                    os.chmod(child, 0o700, dir_fd=fd)
-                except PermissionError:
-                    pass  # not ours to change (the sandbox uid's, as root): root needs no permission
-                deeper = os.open(child, flags, dir_fd=fd)
-                os.close(fd)
-                fd = deeper
-                names.append(child)
-            elif names:
-                parent = os.open("..", flags, dir_fd=fd)
-                os.close(fd)
-                fd = parent
-                os.rmdir(names.pop(), dir_fd=fd)
-            else:
-                break
-    finally:
-        os.close(fd)
-    os.rmdir(path)
 
 
 # ---------------------------------------------------------------------------------------------- isolation

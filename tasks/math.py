@@ -23,18 +23,22 @@ Equivalence (``is_equivalent``), tried in this order:
      element), rounding floats to p decimals when a precision is given (6 otherwise, math-verify's default);
   5. when math-verify cannot parse a side, or the screen below refuses it (prose such as "The answer is 12"
      has too many letters to be a formula), the answer is right when each side holds exactly one number and
-     those match as in 3 ("5 or 6" and "1, 2, 3" hold several and are wrong).
+     those match as in 3 ("5 or 6" and "1, 2, 3" hold several and are wrong), unless the answer applies a
+     function the screen guards to its number (``\\Gamma(\\Gamma(5))``, refused by the screen, is not 5).
 Answers longer than MAX_ANSWER_CHARS are wrong without being read: no ground truth is that long.
 
 Answers that are not the answer (rule 2). Math-verify and the one-number fallback read the value out of an
-answer and ignore what the words around it say, which made three kinds of wrong answer score as right. Each is
+answer and ignore what the words around it say, which made four kinds of wrong answer score as right. Each is
 now wrong unless the ground truth has the same form:
-  * a negation: "not 6", "the answer is not 6", "isn't 6", ``x \\neq 6``, ``\\ne 6``, "≠" (the words not, no,
-    never, none, cannot, any "n't");
+  * a negation: "not 6", "the answer is not 6", "isn't 6", ``x \\neq 6``, ``\\ne 6``, "≠", ``\\neg 6``, "¬6",
+    ``6 \\text{ is wrong}`` (the words not, no, never, none, cannot, wrong, false, incorrect, untrue, any "n't");
+  * a relation between values: ``5 = 6``, ``5 \\equiv 6``, ``x = y = 6`` (math-verify grades one side); only
+    "name = value" (``x = 6``, ``x_1 = 6``, ``\\theta = 6``) gives the answer;
   * a hedge when the truth is exact: ``\\approx 6``, "≈ 6", "~6", ``\\sim 6``, "about/approximately/around/
     roughly/nearly 6". A hedge is accepted when the truth is approximate: ``meta["precision"]`` is set (MathVista
     floats, Geometry3K's "round to the nearest tenth") or the truth hedges itself;
-  * several values where the truth is one value: "6, 6", "6; 6", "6 and 6" ("6 or 7" already failed). "One
+  * several values where the truth is one value: "6, 6", "6; 6", "6 and 6", ``x=5 \\lor x=6``, and what is
+    left of several math spans, ``5$ $6`` (a ``$`` that does not start a number) ("6 or 7" already failed). "One
     value" means no comma, semicolon, matrix cell or row, "and"/"or" in the truth; the prediction lists values
     when it has a comma or semicolon outside every bracket (thousands commas such as ``6,000`` aside) or the
     word "and"/"or". A tuple ``(6, 6)`` is one value and is compared as a tuple (wrong against ``6``).
@@ -43,7 +47,8 @@ Guarding math-verify. Sympy can take minutes or exhaust memory on short hostile 
 ``(10^{10})!``, ``\\binom{10^{10}}{10^{5}}``, ``(a+b+c+d)^{99}``, ``\\Gamma(\\Gamma(\\Gamma(5)))``), and much of
 that time is spent inside single C-level big-integer operations that no timer can interrupt. So an answer
 first has to pass a static screen (``safe_for_math_verify``: bounded length, nesting, digits, exponents,
-factorials, binomials); ``\\begin{...}``/``\\end{...}`` environment names are not variables. What the screen
+factorials, binomials, nested or long arguments of ``\\Gamma``, ``\\exp``, ``\\sinh``, ``\\cosh``);
+``\\begin{...}``/``\\end{...}`` environment names are not variables. What the screen
 lets through unbounded is bounded by the reward's deadline: every task reward runs in a worker process that is
 killed when it passes ``rollout.reward_timeout_s`` (``vlm_grpo_ma/reward_pool.py``), in training and
 evaluation alike, from any thread. (A SIGALRM timer used to guard the main thread only; it is gone.) The
@@ -260,6 +265,15 @@ MAX_SYMBOLIC_EXPONENT = 3
 MAX_VARIABLES = 3
 MAX_SYMBOLIC_BRACKETS = 4
 MAX_FACTORIAL_DIGITS = 2
+# Functions that grow faster than any power, which sympy evaluates exactly: nested or on a long number they
+# never finished ("\Gamma(\Gamma(\Gamma(5)))"; "\lfloor\exp(\exp(22))\rfloor" needs the 1.5e9 digits of
+# e^(e^22)). So at most one per answer, no digit run longer than an exponent's (\exp(n) is e^n, \Gamma(n) is
+# (n-1)!) and none inside an exponent. Screened worst cases: "\exp(99)" 0.22 s, "\lfloor\exp(99)^{99}\rfloor"
+# 0.16 s, "\Gamma(99)" 0.06 s. \operatorname names any function, so it counts as one of them.
+_GROWING = re.compile(r"\\(?:Gamma|exp|sinh|cosh|operatorname)(?![A-Za-z])")
+# Binomials are computed exactly too: "\binom{9999}{5000}" 0.03 s, "\binom{99999}{50000}" 0.7 s,
+# "\binom{999999}{500000}" over 20 s ("\binom{99999999999999999999}{9999999999}" never finished).
+MAX_BINOMIAL_DIGITS = 4
 
 _FORBIDDEN = re.compile(r"\*\*|\\(?:sum|prod|int|iint|oint|lim)(?![A-Za-z])")
 _COMMAND = re.compile(r"\\[A-Za-z]+")
@@ -296,7 +310,9 @@ def safe_for_math_verify(text: str) -> bool:
     MAX_SCREENED_DIGITS; ``**``, sums, products, integrals, limits; more than MAX_CARETS powers, a power of a
     power, an exponent holding ``^``/``!`` or a number of more than MAX_EXPONENT_DIGITS digits, or powers
     that could build an integer of more than MAX_POWER_DIGITS digits; a factorial of anything but a number of
-    at most MAX_FACTORIAL_DIGITS digits; a binomial together with a power or a factorial; and, with free
+    at most MAX_FACTORIAL_DIGITS digits; a binomial together with a power or a factorial, or with a number of
+    more than MAX_BINOMIAL_DIGITS digits; more than one fast-growing function (``_GROWING``), one with a number
+    of more than MAX_EXPONENT_DIGITS digits, or one in an exponent; and, with free
     variables (letters outside LaTeX commands and ``\\text{}``), more than MAX_VARIABLES of them, more than
     MAX_SYMBOLIC_BRACKETS brackets, more than one power or an exponent above MAX_SYMBOLIC_EXPONENT.
     """
@@ -318,8 +334,11 @@ def safe_for_math_verify(text: str) -> bool:
             digits = len(before) - len(before.rstrip("0123456789"))
             if digits == 0 or digits > MAX_FACTORIAL_DIGITS:
                 return False
+    growing = _GROWING.findall(text)
+    if len(growing) > 1 or (growing and longest > MAX_EXPONENT_DIGITS):
+        return False
     carets = [i for i, char in enumerate(text) if char == "^"]
-    if ("binom" in text or "choose" in text) and (carets or "!" in text):
+    if ("binom" in text or "choose" in text) and (carets or "!" in text or longest > MAX_BINOMIAL_DIGITS):
         return False
     if len(carets) > MAX_CARETS:
         return False
@@ -327,7 +346,7 @@ def safe_for_math_verify(text: str) -> bool:
     largest_exponent = 0
     for caret in carets:
         exponent, end = _exponent_at(text, caret)
-        if not exponent or "^" in exponent or "!" in exponent:
+        if not exponent or "^" in exponent or "!" in exponent or _GROWING.search(exponent):
             return False
         rest = text[end:].lstrip(" }")
         if rest.startswith("^"):  # a^b^c, {a^b}^c
@@ -415,7 +434,8 @@ def is_text_answer(truth: str) -> bool:
 # module docstring). All three patterns are linear: no quantifier is nested or next to another that can match
 # the same characters.
 _NEGATION = re.compile(
-    r"(?<![A-Za-z])(?:not|no|never|none|cannot)(?![A-Za-z])|n['’]t(?![A-Za-z])|\\n(?:eq?|ot)(?![A-Za-z])|≠",
+    r"(?<![A-Za-z])(?:not|no|never|none|cannot|wrong|false|incorrect|untrue)(?![A-Za-z])|n['’]t(?![A-Za-z])"
+    r"|\\(?:neq?|not|neg|lnot)(?![A-Za-z])|[≠¬]",
     re.IGNORECASE,
 )
 _HEDGE = re.compile(
@@ -423,7 +443,15 @@ _HEDGE = re.compile(
     r"|(?<![A-Za-z])(?:about|approx|approximately|around|roughly|nearly|almost|circa|estimated)(?![A-Za-z])",
     re.IGNORECASE,
 )
-_LIST_WORD = re.compile(r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])", re.IGNORECASE)
+# "and"/"or" in words or in logic: "x=5 \lor x=6" names two values.
+_LIST_WORD = re.compile(r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])|\\(?:lor|land|vee|wedge)(?![A-Za-z])|[∨∧]", re.IGNORECASE)
+# A relation between values ("5 = 6", "5 \equiv 6"): math-verify grades one side of it. Only "name = value"
+# ("x = 6", "x_1 = 6", "\theta = 6") gives the answer.
+_RELATION = re.compile(r"=|\\(?:equiv|cong)(?![A-Za-z])|[≡≅]")
+_NAMED_VALUE = re.compile(r"\s*(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*=")
+# A dollar sign that does not start a number ("$5" is a price): what is left of several math spans ("5$ $6",
+# from "$5$ $6$"), of which math-verify grades any one.
+_SPAN_BREAK = re.compile(r"(?<!\\)\$(?!\s*[-+−]?\d)")
 _THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 
 
@@ -443,15 +471,35 @@ def _one_value(text: str) -> bool:
     return not re.search(r"[,;&]|\\\\", text) and _LIST_WORD.search(text) is None
 
 
+def _relates_values(text: str) -> bool:
+    """Whether ``text`` states a relation other than naming its value: "5 = 6", "5 \\equiv 6", "x = y = 6"."""
+    relations = _RELATION.findall(text)
+    return bool(relations) and not (len(relations) == 1 and relations[0] == "=" and _NAMED_VALUE.match(text))
+
+
 def refused_form(prediction: str, truth: str, precision: int | None = None) -> bool:
-    """Whether ``prediction`` is wrong by its form alone (after unwrapping): it negates ("not 6", "x \\neq 6")
-    and the truth does not; it hedges ("\\approx 6", "about 6") and the truth is exact (no ``precision``, no
-    hedge of its own); or it lists several values ("6, 6", "6 and 7") where the truth is one value."""
+    """Whether ``prediction`` is wrong by its form alone (after unwrapping): it negates ("not 6", "x \\neq 6",
+    "\\neg 6", "6 is wrong") and the truth does not; it hedges ("\\approx 6", "about 6") and the truth is exact
+    (no ``precision``, no hedge of its own); it relates values ("5 = 6", "5 \\equiv 6") and the truth does not;
+    or it lists several values ("6, 6", "6 and 7", "x=5 \\lor x=6", "5$ $6") where the truth is one value."""
     if _NEGATION.search(prediction) and not _NEGATION.search(truth):
         return True
     if _HEDGE.search(prediction) and precision is None and not _HEDGE.search(truth):
         return True
-    return _one_value(truth) and _lists_values(prediction)
+    if _relates_values(prediction) and not _RELATION.search(truth):
+        return True
+    return _one_value(truth) and (_lists_values(prediction) or _SPAN_BREAK.search(prediction) is not None)
+
+
+_FACTORIAL = re.compile(r"[\d)}\]]\s*!")
+_BINOMIAL = re.compile(r"\\[dt]?binom(?![A-Za-z])|\\choose(?![A-Za-z])")
+
+
+def applies_a_function(text: str) -> bool:
+    """Whether ``text`` applies one of the functions the screen guards (``_GROWING``, a factorial, a binomial)
+    to its numbers: its one number is then not its value (``\\Gamma(\\Gamma(5))`` is not 5). Other commands
+    (``\\sqrt{5}``) pass the screen and math-verify judges them; formatting (``\\textbf{5}``) stays readable."""
+    return any(pattern.search(text) for pattern in (_GROWING, _FACTORIAL, _BINOMIAL))
 
 
 def is_equivalent(
@@ -476,6 +524,8 @@ def is_equivalent(
     verdict = math_verify_equal(predicted, gold, precision)
     if verdict is not None:
         return verdict
+    if applies_a_function(predicted):
+        return False
     gold_number = gold_number if gold_number is not None else single_number(gold)
     predicted_number = predicted_number if predicted_number is not None else single_number(predicted)
     if gold_number is None or predicted_number is None:

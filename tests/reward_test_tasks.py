@@ -30,6 +30,15 @@ def hang_on_request(completion, sample):
     return {"ok": 1.0}
 
 
+def tag_after(completion, sample):
+    """``{"tag": completion}`` after ``sample`` = (seconds, a file to create when the job starts, or None)."""
+    seconds, started_file = sample
+    if started_file:
+        Path(started_file).touch()
+    time.sleep(seconds)
+    return {"tag": completion}
+
+
 def no_ok_part(completion, sample):
     return {"other": 1.0}
 

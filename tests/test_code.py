@@ -8,10 +8,12 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -483,6 +485,118 @@ def test_a_daemon_that_escaped_the_session_is_swept():
     assert "daemon" in result.output, result  # and _hostile found no process of the sandbox uid left
 
 
+# A trainer's side that runs one sandboxed program which sleeps at import, then waits to be killed or stopped.
+STAND_IN = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from tasks._sandbox import Isolation, Limits, Step, run_tests
+run_tests("import time\\ntime.sleep(60)", [Step("assert True")], limits=Limits(wall_s=float(sys.argv[2]), cpu_s=30),
+          isolation=Isolation(**json.loads(sys.argv[3])))
+"""
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[3])
+
+
+def _live_in_session(session: int) -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and _session_of(int(name)) == session]
+
+
+def _start_stand_in(tmp_path, wall_s: float, isolation: Isolation):
+    """The stand-in, and its judge's pid once the judge's session holds the judge, init and the program."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", STAND_IN, str(REPO), str(wall_s), json.dumps(dataclasses.asdict(isolation))],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        judges = [pid for pid in _sandbox._pids() if _parent_of(pid) == process.pid]
+        if judges and len(_live_in_session(judges[0])) >= 3:
+            return process, judges[0]
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError("the sandboxed program did not start within 30 s")
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _seconds_until_nothing_is_left(tmp_path, judge: int, limit_s: float) -> float:
+    """Seconds until no live process of the judge's session and no sandbox folder remain (fails past limit_s)."""
+    start = time.monotonic()
+    while _live_in_session(judge) or list(tmp_path.glob("vlm-sandbox-*")):
+        waited = time.monotonic() - start
+        assert waited < limit_s, (waited, _live_in_session(judge), list(tmp_path.glob("vlm-sandbox-*")))
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_killed_trainer_side_leaves_no_sandbox_process_or_folder(tmp_path, isolation):
+    # A reward worker killed at its reward deadline, or with the trainer (SIGKILL): the judge's guard sees
+    # the lifeline close and ends the judge, its init and the program and removes the working directory.
+    process, judge = _start_stand_in(tmp_path, wall_s=30.0, isolation=isolation)
+    assert list(tmp_path.glob("vlm-sandbox-*"))
+    process.kill()
+    process.wait()
+    _seconds_until_nothing_is_left(tmp_path, judge, limit_s=2.0)
+
+
+def test_the_judge_ends_the_run_at_its_own_deadline_when_the_trainer_side_cannot(tmp_path):
+    # The trainer's side is alive but stopped (SIGSTOP): nothing of it can act, so the judge's own deadline
+    # (the wall-clock limit + _GUARD_GRACE_S from the judge's start) must end the run and remove the folder.
+    wall_s = 1.0
+    process, judge = _start_stand_in(tmp_path, wall_s=wall_s, isolation=FULL)
+    process.send_signal(signal.SIGSTOP)
+    try:
+        _seconds_until_nothing_is_left(tmp_path, judge, limit_s=wall_s + 2.0)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _processes_working_in(folder) -> list[int]:
+    """Live processes whose working directory is under ``folder`` (the judge, init and program of a run)."""
+    found = []
+    for pid in _sandbox._pids():
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(str(folder)) and _session_of(pid) is not None:
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def test_a_reward_past_its_deadline_leaves_no_sandbox_behind(tmp_path, monkeypatch):
+    # The issue's case: a program that sleeps at import under a reward deadline shorter than the sandbox's
+    # wall-clock limit. The pool kills the worker at the deadline; its judge must not outlive it.
+    from vlm_grpo_ma.reward_pool import RewardPool, RewardTimeout
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the worker's sandbox folders go here
+    pool = RewardPool()
+    try:
+        program = "import time\ntime.sleep(60)\ndef add(a, b):\n    return a + b"
+        [(parts, error)] = pool.run([(code.reward, _completion(_answer(program)), ADD)], workers=1, timeout_s=1.0)
+    finally:
+        pool.close()
+    assert parts is None and isinstance(error, RewardTimeout)
+    deadline = time.monotonic() + 2.0
+    while _processes_working_in(tmp_path) or list(tmp_path.glob("vlm-sandbox-*")):
+        assert time.monotonic() < deadline, (_processes_working_in(tmp_path), list(tmp_path.glob("vlm-sandbox-*")))
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_gigabytes_of_output_are_cut_off(isolation):
     for program in (
@@ -582,6 +696,14 @@ MATH_TESTS = _mbpp_sample(
     ["import math\nassert math.isclose(half(3), 1.5)", "assert abs(half(4) - 2) < 1e-9"]
 )
 # MBPP tests may use a module the program imported (they used to run in the program's namespace)
+# map/filter forms (MBPP-style): a StopIteration raised by the program must not end the tests' iteration
+ITERATION_TESTS = _mbpp_sample(
+    [
+        "assert all(map(is_even, [2, 4, 6]))",
+        "assert list(filter(is_even, [1, 3, 5])) == []",
+        "assert set(map(is_even, [2, 8])) <= {True}",
+    ]
+)
 MATH_FROM_PROGRAM = _mbpp_sample(["assert math.isclose(half(3), 1.5)", "assert math.floor(half(5)) == 2"])
 COLLECTIONS_TESTS = _mbpp_sample(
     [
@@ -727,6 +849,8 @@ GALLERY = {
     ),
     # swapping candidate in the tests' globals
     "swapped_candidate": (HE_0, SWAP_CANDIDATE),
+    # every call raises StopIteration, which would silently end the tests' map/filter as if all were done
+    "stop_iteration_ends_map_and_filter": (ITERATION_TESTS, "def is_even(x):\n    raise StopIteration"),
     # reading the answers from the datasets on disk
     "read_embedded_train_split": (REPLACE_CHAR, READ_TRAIN),
     "read_humaneval_jsonl_gz": (HE_0, READ_HUMANEVAL),
@@ -741,6 +865,7 @@ HONEST = {
         "def mean(xs):\n    return sum(xs) / len(xs)",
     ),
     "math_in_tests": (MATH_TESTS, "def half(x):\n    return x / 2"),
+    "iteration_tests": (ITERATION_TESTS, "def is_even(x):\n    return x % 2 == 0"),
     "math_from_the_program": (MATH_FROM_PROGRAM, "import math\ndef half(x):\n    return x / 2"),
     "collections_results": (
         COLLECTIONS_TESTS,

@@ -128,7 +128,9 @@ def test_bad_task_mixtures_are_refused(overrides, message):
         ("algorithm.kl_coef=.inf", "algorithm.kl_coef=inf must be a finite number"),
         ("train.max_grad_norm=0", "train.max_grad_norm=0.0 must be > 0"),
         ("train.seed=-1", "train.seed=-1 must be >= 0"),
-        ("train.seed=4294967296", "train.seed=4294967296 is out of range (at most 4294967295)"),
+        ("train.seed=4294967296", "train.seed=4294967296 is out of range: valid seeds are 0 .. 18446633"),
+        ("train.seed=18446634", "train.seed=18446634 is out of range: valid seeds are 0 .. 18446633"),
+        ("train.mixed_precision=fp16", "train.mixed_precision=fp16 is not supported: the trainer has no loss scaling"),
         ("train.num_threads=99999999999999999999", "train.num_threads=99999999999999999999 is out of range"),
         ("model.min_pixels=-5", "model.min_pixels=-5 must be > 0"),
         ("train.steps=[1", "override 'train.steps=[1': the value '[1' is not valid YAML"),
@@ -139,6 +141,21 @@ def test_non_finite_and_out_of_range_values_are_refused(override, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, [override])
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("steps", [400, 1, 10**6])
+def test_the_largest_valid_seed_samples_every_step_and_the_next_one_overflows(steps):
+    from vlm_grpo_ma.config import SEED_STRIDE, max_seed
+    from vlm_grpo_ma.policy import prompt_generators
+
+    highest = max_seed(steps)
+    cfg = load_config(None, [f"train.seed={highest}", f"train.steps={steps}"])
+    last_step_seed = cfg.train.seed * SEED_STRIDE + steps - 1  # as train.sampling_settings seeds the last step
+    assert len(prompt_generators(last_step_seed, SEED_STRIDE - 1, 1)) == 1  # its last possible prompt
+    with pytest.raises(ValueError, match="Overflow"):
+        prompt_generators(last_step_seed + SEED_STRIDE, SEED_STRIDE - 1, 1)  # train.seed = highest + 1
+    with pytest.raises(ConfigError, match=rf"train.seed={highest + 1} is out of range: valid seeds are 0 .. {highest} "):
+        load_config(None, [f"train.seed={highest + 1}", f"train.steps={steps}"])
 
 
 def test_invalid_yaml_names_the_file_and_line(tmp_path):

@@ -207,6 +207,15 @@ FORM_TABLE = [
     ("two values with semicolon", "6; 6", "6", None, False),
     ("approx for an exact answer", "\\approx 6", "6", None, False),
     ("approx sign", "≈ 6", "6", None, False),
+    # issue 23: negations, relations between values, logic and split math spans that graded as right
+    ("neg", "\\neg 6", "6", None, False),
+    ("not sign", "¬6", "6", None, False),
+    ("text is wrong", "6 \\text{ is wrong}", "6", None, False),
+    ("text is false", "6 \\text{ is false}", "6", None, False),
+    ("logical or", "x=5 \\lor x=6", "6", None, False),
+    ("equation between values", "5 = 6", "6", None, False),
+    ("congruence", "5 \\equiv 6", "6", None, False),
+    ("two math spans", "5$ $6", "6", None, False),
     ("about", "about 6", "6", None, False),
     ("tilde", "~6", "6", None, False),
     ("approximately after", "6 (approximately)", "6", None, False),
@@ -217,6 +226,10 @@ FORM_TABLE = [
     ("approx against an approx truth", "\\approx 6.28", "\\approx 6.28", None, True),
     ("plain", "6", "6", None, True),
     ("equation", "x = 6", "6", None, True),
+    ("equation with a subscript", "x_1 = 6", "6", None, True),
+    ("equation with a greek name", "\\theta = 6", "6", None, True),
+    ("price", "$6", "6", None, True),
+    ("equation truth", "y = 2x + 1", "y = 2x + 1", None, True),
     ("prose", "The answer is 6", "6", None, True),
     ("contraction that is not a negation", "I think it's 6", "6", None, True),
     ("unit", "6 apples", "6", None, True),
@@ -324,6 +337,19 @@ HOSTILE = [
     "9" * 10_000,
     "\\frac{1}{0}",
     "99999999999999999999!",
+    # issue 23: passed the screen and ran until the reward's deadline
+    "\\Gamma(\\Gamma(\\Gamma(5)))",
+    "\\binom{99999999999999999999}{9999999999}",
+    "\\lfloor\\exp(\\exp(22))\\rfloor",
+]
+# The slowest answers found that the screen lets through to math-verify (see the limits in tasks/math.py).
+WORST_SCREENED = [
+    "\\exp(99)",
+    "\\lfloor\\exp(99)^{99}\\rfloor",
+    "\\lfloor\\exp(\\frac{9}{2})\\rfloor",
+    "\\Gamma(99)",
+    "\\binom{9999}{5000}",
+    "\\sin(999^{99})",
 ]
 
 
@@ -339,6 +365,18 @@ def test_hostile_answers_return_quickly_in_the_main_thread(answer, warm_math_ver
     parts = math_task.reward(_completion(_answer(answer)), _sample("5"))
     assert time.monotonic() - started < 2.0
     _assert_parts(parts, _expected(False, True))
+
+
+@pytest.mark.parametrize("answer", HOSTILE[-3:] + WORST_SCREENED)
+def test_slow_forms_are_refused_or_cost_under_a_second(answer, warm_math_verify):
+    started = time.monotonic()
+    parts = math_task.reward(_completion(_answer(answer)), _sample("6"))
+    assert time.monotonic() - started < 1.0
+    _assert_parts(parts, _expected(False, True))
+
+
+def test_the_worst_screened_answers_reach_math_verify():
+    assert [math_task.safe_for_math_verify(answer) for answer in WORST_SCREENED] == [True] * len(WORST_SCREENED)
 
 
 def test_hostile_answers_return_quickly_in_another_thread(warm_math_verify):
@@ -393,6 +431,14 @@ SAFE_TABLE = [
     ("x^{2} + y^{2}", False),  # two symbolic powers
     ("(a+b+c+d)^{2}", False),  # four variables
     ("\\binom{10}{3}^{2}", False),
+    ("\\binom{9999}{5000}", True),
+    ("\\binom{99999}{50000}", False),  # more than 4 digits in a binomial
+    ("\\Gamma(99)", True),
+    ("\\Gamma(123)", False),  # a fast-growing function of more than 2 digits
+    ("\\Gamma(\\Gamma(5))", False),  # two of them
+    ("\\exp(\\exp(2))", False),
+    ("2^{\\Gamma(5)}", False),  # one in an exponent
+    ("\\operatorname{lcm}(4, 6)", True),
     ("1" * 21, False),
     ("2**3", False),
     ("\\int_0^1 x", False),

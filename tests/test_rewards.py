@@ -2,6 +2,7 @@
 rewards past their deadline scored 0 and counted; the result independent of the number of workers."""
 
 import os
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ import reward_test_tasks  # noqa: F401 - registers the test tasks
 import torch
 
 from vlm_grpo_ma.registry import Completion, Sample, Task, get_task, register_task
-from vlm_grpo_ma.reward_pool import RewardError, RewardTimeout
+from vlm_grpo_ma.reward_pool import RewardError, RewardPool, RewardTimeout
 from vlm_grpo_ma.rewards import score_rollout, task_reward
 from vlm_grpo_ma.rollout import Rollout
 
@@ -90,6 +91,26 @@ def test_a_reward_past_its_deadline_scores_zero_is_counted_and_killed(how, worke
     assert again.rewards.flatten().tolist() == [1, 1]  # the pool carries on with a replacement worker
 
 
+def test_the_call_after_an_interrupted_one_returns_its_own_results(tmp_path):
+    pool = RewardPool()
+    started = [tmp_path / f"old-{i}" for i in range(2)]
+    old_jobs = [(reward_test_tasks.tag_after, f"old-{i}", (2.0, str(started[i]))) for i in range(2)]
+
+    def interrupt_when_both_run():  # Ctrl-C in the trainer while both workers are inside a reward
+        while not all(path.exists() for path in started):
+            time.sleep(0.01)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_both_run, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(old_jobs, workers=2, timeout_s=30)
+        new_jobs = [(reward_test_tasks.tag_after, f"new-{i}", (0.0, None)) for i in range(2)]
+        assert pool.run(new_jobs, workers=2, timeout_s=30) == [({"tag": "new-0"}, None), ({"tag": "new-1"}, None)]
+    finally:
+        pool.close()
+
+
 def test_a_worker_that_dies_scores_zero_and_is_counted():
     scored = score_rollout(make_rollout("hang_on_request", [["ok", "exit", "ok", "ok"]], num_answers=2), workers=2)
     assert scored.counters["reward_errors"] == 1 and scored.rewards.flatten().tolist() == [1, 0, 1, 1]
@@ -105,16 +126,18 @@ def test_a_lambda_reward_runs_here_under_the_deadline():
 GAMMA = r"\Gamma(\Gamma(\Gamma(5)))"
 
 
-def test_hostile_math_from_a_thread_finishes_within_the_deadline():
-    """The issue's case: sympy never finishes on it, and a SIGALRM timer does nothing outside the main thread."""
-    math_task = get_task("math")
-    sample = Sample("math", "g", "q", (), "6", {"precision": None})
-    completion = Completion(thought="<think>t</think>", answer=f"<answer>{GAMMA}</answer>")
+def test_a_hanging_reward_from_a_thread_finishes_within_the_deadline():
+    """A reward that never finishes (sympy on an answer its screen missed, say), called from a thread, where a
+    SIGALRM timer does nothing: the worker's deadline still ends it."""
+    task = get_task("hang_on_request")
+    sample = Sample("hang_on_request", "g", "q", (), None, {})
     result = []
     started = time.monotonic()
-    thread = threading.Thread(target=lambda: result.append(task_reward(math_task, math_task.reward_weights, completion, sample, timeout_s=1.0)))
+    thread = threading.Thread(
+        target=lambda: result.append(task_reward(task, task.reward_weights, Completion("t", "loop"), sample, timeout_s=1.0))
+    )
     thread.start()
-    thread.join(1.0 + SLACK_S + 10)  # + math-verify's first import in a fresh worker (not counted by the deadline)
+    thread.join(1.0 + SLACK_S + 10)  # + a fresh worker's start (not counted by the deadline)
     assert result, "the reward did not come back"
     parts, reward, error = result[0]
     assert isinstance(error, RewardTimeout) and reward == 0.0 and parts == {}
@@ -122,15 +145,15 @@ def test_hostile_math_from_a_thread_finishes_within_the_deadline():
 
 
 def test_hostile_math_through_score_rollout_with_workers():
+    # GAMMA ran until the deadline before issue 23; the screen now refuses it: scored 0 at once, no timeout
     answers = [[f"<answer>{GAMMA}</answer>", "<answer>6</answer>", "<answer>7</answer>", "<answer>6</answer>"]]
     rollout = make_rollout("math", answers, num_answers=2)
     score_rollout(make_rollout("math", [["<answer>1+1</answer>"] * 2], num_answers=1), workers=2)  # import sympy
     started = time.monotonic()
-    scored = score_rollout(rollout, workers=2, timeout_s=1.0)
+    scored = score_rollout(rollout, workers=2, timeout_s=30.0)
     assert time.monotonic() - started < 1.0 + SLACK_S
-    assert scored.counters["reward_timeouts"] == 1
-    assert scored.parts["accuracy"].flatten().tolist()[1:] == [1, 0, 1]
-    assert float(scored.rewards.flatten()[0]) == 0.0
+    assert scored.counters["reward_timeouts"] == 0
+    assert scored.parts["accuracy"].flatten().tolist() == [0, 1, 0, 1]
 
 
 def test_task_reward_reports_errors():

@@ -1,6 +1,8 @@
 """Issue 12, runs that survive: SIGTERM, unreadable images, non-finite numbers, bad data messages, resumed logs."""
 
+import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -15,14 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_RUN, tiny_run_config
+from PIL import Image
 from safetensors.torch import load_file
 
 from tasks import grounding
+from vlm_grpo_ma import run_setup as run_setup_module
 from vlm_grpo_ma import train as train_module
 from vlm_grpo_ma import update as update_module
-from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
+from vlm_grpo_ma.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
 from vlm_grpo_ma.data import PromptStream, TaskMixture
-from vlm_grpo_ma.policy import ImageLoadError, open_image
+from vlm_grpo_ma.diagnostics import GradSpikeMonitor
+from vlm_grpo_ma.policy import ImageLoadError, encode_prompt, open_image
 from vlm_grpo_ma.registry import count_load_skips
 from vlm_grpo_ma.survive import NonFiniteError
 from vlm_grpo_ma.task_api import read_rows
@@ -106,6 +111,36 @@ def test_sigterm_saves_the_last_completed_step_and_resume_continues(untrained_ti
 def test_an_image_over_the_pixel_limit_is_an_image_load_error(tmp_path):
     with pytest.raises(ImageLoadError, match="DecompressionBombError"):
         open_image(str(_bomb_png(tmp_path / "huge.png")))
+
+
+# Images PIL opens but the processor refuses (Qwen: an aspect ratio of 200 or more), beside PIL's own refusal
+IMAGE_GALLERY = {
+    "wide_2000x8": lambda path: Image.new("RGB", (2000, 8)).save(path) or path,
+    "tall_8x2000": lambda path: Image.new("RGB", (8, 2000)).save(path) or path,
+    "over_the_pixel_limit": lambda path: _bomb_png(path),
+}
+
+
+@pytest.mark.parametrize("name", list(IMAGE_GALLERY))
+def test_hostile_images_are_image_load_errors(name, tiny_policy, tmp_path):
+    image = IMAGE_GALLERY[name](tmp_path / f"{name}.png")
+    sample = grounding.load()[0]
+    hostile = type(sample)(sample.task, "hostile", sample.question, (str(image),), sample.answer, sample.meta)
+    with pytest.raises(ImageLoadError):
+        encode_prompt(tiny_policy, hostile, "")
+
+
+def test_a_data_file_with_an_image_the_processor_refuses_trains_to_the_end(untrained_tiny_dir, tmp_path):
+    wide = IMAGE_GALLERY["wide_2000x8"](tmp_path / "wide.png")
+    rows = [json.loads(line) for line in _grounding_source(tmp_path, wide).read_text().splitlines()[:4]]
+    rows[-1]["width"], rows[-1]["height"] = 2000, 8  # the row holding the wide image, found mid-run
+    source = tmp_path / "wide.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=2", f"data.source={source}"))
+    records = _records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[-1]["count/skipped_broken_images"] >= 1
 
 
 def _grounding_source(tmp_path, bomb):
@@ -309,6 +344,56 @@ def test_a_resumed_run_does_not_log_its_resumed_steps_twice(untrained_tiny_dir, 
     )
     assert [r["step"] for r in _records(run / "metrics.jsonl")] == [1, 2, 3]
     assert [r["step"] for r in _records(run / "rollouts.jsonl")] == [1, 1, 2, 2, 3, 3]
+
+
+def test_a_resumed_run_logs_the_spike_ratios_of_a_straight_run(untrained_tiny_dir, tmp_path, monkeypatch):
+    # A window of one step makes the ratio known from step 2 on: a straight run logs each step's grad norm
+    # over the previous step's. The checkpoint of step 1 must hold step 1's norm for the run resumed from
+    # it to log the same at step 2 (it logged nan: the checkpoint was taken before the norm joined).
+    monkeypatch.setattr(run_setup_module, "GradSpikeMonitor", functools.partial(GradSpikeMonitor, window=1))
+    run = tmp_path / "run"
+    task = ("data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]")  # a gradient from step 1 on
+    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=1", "train.checkpoint_every=1", *task))
+    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=3", "train.checkpoint_every=1", *task), resume=True)
+    records = _records(run / "metrics.jsonl")
+    norms = [r["train/grad_norm"] for r in records]
+    assert all(norm > 0 for norm in norms)
+    assert [r["train/grad_norm_spike_ratio"] for r in records[1:]] == [norms[1] / norms[0], norms[2] / norms[1]]
+
+
+def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before_naming_the_file(
+    untrained_tiny_dir, tmp_path, caplog
+):
+    run = tmp_path / "run"
+    train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=2", "train.checkpoint_every=1"))
+    state = latest_checkpoint(run) / "state.pt"
+    os.truncate(state, state.stat().st_size // 2)  # a full disk or a killed copy
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo_ma.train"):
+        train_module.train(_cfg(untrained_tiny_dir, run, "train.steps=3", "train.checkpoint_every=1"), resume=True)
+    assert f"{state} does not load (RuntimeError" in caplog.text
+    assert "continuing from " + str(run / "checkpoints" / "step-000001") in caplog.text
+    assert [r["step"] for r in _records(run / "metrics.jsonl")] == [1, 2, 3]
+    assert latest_checkpoint(run).name == "step-000003"
+
+
+@pytest.mark.parametrize("cut", ["state.pt", "model/model.safetensors"])
+def test_resume_refuses_a_run_whose_every_checkpoint_is_corrupt_naming_each_file(tmp_path, cut):
+    from vlm_grpo_ma.config import ConfigError
+    from vlm_grpo_ma.run_dir import checkpoint_to_resume
+    from vlm_grpo_ma.tiny import build_untrained
+
+    for step in (1, 2):
+        folder = checkpoint_dir(tmp_path, step)
+        build_untrained(folder / "model", seed=0)
+        torch.save({"step": step}, folder / "state.pt")
+        os.truncate(folder / cut, (folder / cut).stat().st_size // 2)
+    with pytest.raises(ConfigError) as error:
+        checkpoint_to_resume(tmp_path, resume=True)
+    head, _, failures = str(error.value).partition(" loads: ")
+    assert head == f"--resume: no checkpoint of {tmp_path}"
+    named = [failure.split(" (")[0] for failure in failures.split("; ")]
+    assert named == [f"{checkpoint_dir(tmp_path, step) / cut} does not load" for step in (2, 1)]
+    assert checkpoint_to_resume(tmp_path, resume=False) == (None, None)
 
 
 def test_a_resumed_run_replaces_its_relogged_steps_in_tensorboard(tmp_path):

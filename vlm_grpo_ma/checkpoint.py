@@ -74,3 +74,24 @@ def save_checkpoint(run_dir: Path, step: int, *, write_model, training_state: di
 
 def load_training_state(path: Path) -> dict:
     return torch.load(Path(path) / "state.pt", weights_only=False)
+
+
+class CheckpointLoadError(Exception):
+    """A file of a checkpoint that does not load; the message names it."""
+
+
+def load_resumable_state(path: Path) -> dict:
+    """The training state of checkpoint ``path``, once its model's weight files are found whole: safetensors
+    reads only a file's header, which gives every tensor's byte range, so a file cut short fails here (in
+    milliseconds) rather than when the model loads. CheckpointLoadError names the file that does not load."""
+    from safetensors import safe_open
+
+    file = Path(path) / "state.pt"
+    try:
+        state = load_training_state(path)
+        for file in sorted((Path(path) / "model").glob("*.safetensors")):
+            with safe_open(str(file), "pt"):
+                pass
+    except Exception as error:  # torch.load raises RuntimeError, EOFError, UnpicklingError ... on a cut file
+        raise CheckpointLoadError(f"{file} does not load ({type(error).__name__}: {error})") from error
+    return state

@@ -132,7 +132,7 @@ class TrainConfig:
     # clip the gradient's global norm to this; must be > 0 (0 would zero every update while the logged norm
     # looks normal). No "off" value: a large one (1e9) leaves the gradients as they are.
     max_grad_norm: float = 1.0
-    seed: int = 0  # 0 .. 2**32 - 1 (the range numpy's seeding takes)
+    seed: int = 0  # 0 .. max_seed(steps), about 1.84e7: the sampling seeds must fit in 64 bits
     output_dir: str = "runs/grounding-tiny"
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -195,7 +195,7 @@ CHOICES = {
     "algorithm.policy_loss": tuple(POLICY_LOSSES),
     "train.optimizer": ("adamw", "sgd"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
-    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.mixed_precision": ("no", "bf16"),  # fp16 is refused with its reason in validate()
 }
 POSITIVE = (
     "rollout.num_thoughts",
@@ -244,7 +244,19 @@ REPLACED_KEYS = {
 }
 # Integers far beyond any sensible run overflow torch/numpy calls mid-start with a traceback; refuse them.
 MAX_INT = 2**31 - 1
-MAX_SEED = 2**32 - 1
+# Each prompt samples from a torch generator seeded with (train.seed * SEED_STRIDE + step) * SEED_STRIDE +
+# prompt (train.sampling_settings, policy.prompt_generators); torch's manual_seed takes at most 2**64 - 1.
+# Seeds up to numpy's 2**32 - 1 passed validation and overflowed at step 1 ("Overflow when unpacking long
+# long"), after the model and data had loaded: max_seed is the bound for the run's steps and prompts.
+SEED_STRIDE = 1_000_003
+
+
+def max_seed(steps: int) -> int:
+    """The largest ``train.seed`` whose sampling seeds fit in 64 bits for every step of a run of ``steps``
+    steps, with room for SEED_STRIDE - 1 prompts a step, any redraws included (about 1.84e7 for any run of
+    under a million steps)."""
+    largest_offset = max(steps, 1) * SEED_STRIDE - 1  # step steps - 1, prompt SEED_STRIDE - 1
+    return (2**64 - 1 - largest_offset) // SEED_STRIDE**2
 
 
 def _numbers(cfg: Config):
@@ -269,8 +281,13 @@ def validate(cfg: Config) -> Config:
     for key, value in _numbers(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value!r} must be a finite number")
-        if isinstance(value, int) and abs(value) > (MAX_SEED if key == "train.seed" else MAX_INT):
-            raise ConfigError(f"{key}={value} is out of range (at most {MAX_SEED if key == 'train.seed' else MAX_INT})")
+        if isinstance(value, int) and key != "train.seed" and abs(value) > MAX_INT:
+            raise ConfigError(f"{key}={value} is out of range (at most {MAX_INT})")
+    if cfg.train.mixed_precision == "fp16":
+        raise ConfigError(
+            "train.mixed_precision=fp16 is not supported: the trainer has no loss scaling (the first overflow"
+            " would stop the run, and FSDP would clip still-scaled gradients); use bf16 (or no)"
+        )
     for key, choices in CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid; choose one of: {', '.join(choices)}")
@@ -280,6 +297,12 @@ def validate(cfg: Config) -> Config:
     for key in NON_NEGATIVE:
         if _get(cfg, key) is not None and not _get(cfg, key) >= 0:
             raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
+    highest_seed = max_seed(cfg.train.steps)
+    if not 0 <= cfg.train.seed <= highest_seed:
+        raise ConfigError(
+            f"train.seed={cfg.train.seed} is out of range: valid seeds are 0 .. {highest_seed} (each prompt's"
+            f" sampling seed, (seed * {SEED_STRIDE} + step) * {SEED_STRIDE} + prompt, must fit in 64 bits)"
+        )
     if None not in (cfg.model.min_pixels, cfg.model.max_pixels) and cfg.model.min_pixels > cfg.model.max_pixels:
         raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} must be <= model.max_pixels={cfg.model.max_pixels}")
     if not 0 < cfg.rollout.top_p <= 1:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+from vlm_grpo_ma.config import SEED_STRIDE
 from vlm_grpo_ma.coords import CoordinateFrame, Size
 from vlm_grpo_ma.images import ImageLoadError, decode_image  # noqa: F401  (ImageLoadError: re-exported)
 from vlm_grpo_ma.registry import Sample
@@ -213,12 +214,24 @@ def prompt_messages(sample: Sample, instruction: str) -> list[dict]:
 
 
 def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPrompt:
-    """Chat template + processor for one sample. Raises ImageLoadError for a broken or missing image."""
+    """Chat template + processor for one sample. Raises ImageLoadError for a broken or missing image, and for
+    one the processor refuses."""
     images = [open_image(image) for image in sample.images]
     text = policy.processor.apply_chat_template(
         prompt_messages(sample, instruction), add_generation_prompt=True, tokenize=False
     )
-    encoded = policy.processor(text=[text], images=images or None, return_tensors="pt")
+    try:
+        encoded = policy.processor(text=[text], images=images or None, return_tensors="pt")
+    except Exception as error:
+        if not images:
+            raise
+        # The processor has limits of its own that PIL does not know (Qwen's: an aspect ratio under 200, so a
+        # 2000x8 image raises ValueError), and what it raises differs between families and versions: any
+        # error on a prompt with images skips that sample, as an unreadable image does, rather than the run.
+        sizes = ", ".join(f"{width}x{height}" for width, height in (image.size for image in images))
+        raise ImageLoadError(
+            f"sample {sample.id}: the processor refused its image(s) ({sizes}): {type(error).__name__}: {error}"
+        ) from error
     if images:
         grid, pixel_values = encoded["image_grid_thw"], encoded["pixel_values"]
     else:  # a text-only prompt (math word problems, code): no vision rows
@@ -348,7 +361,7 @@ class SamplingSettings:
 
 def prompt_generators(seed: int, first_prompt: int, count: int) -> list[torch.Generator]:
     """Generators of prompts ``first_prompt .. first_prompt + count - 1`` of a draw seeded by ``seed``."""
-    return [torch.Generator().manual_seed(seed * 1_000_003 + first_prompt + p) for p in range(count)]
+    return [torch.Generator().manual_seed(seed * SEED_STRIDE + first_prompt + p) for p in range(count)]
 
 
 def _policy_logprobs(logits: torch.Tensor, temperature: float, suppressed: list[int]) -> torch.Tensor:

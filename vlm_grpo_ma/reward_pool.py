@@ -189,9 +189,24 @@ class RewardPool:
         """One outcome per job, in order: ``(parts, None)``, or ``(None, RewardTimeout)`` for a job past
         ``timeout_s``, or ``(None, RewardError)`` for a job that raised or killed its worker."""
         with self._lock:
-            return self._run(jobs, max(1, workers), timeout_s)
+            busy: dict[Any, _Worker] = {}
+            try:
+                return self._run(jobs, max(1, workers), timeout_s, busy)
+            except BaseException:
+                # Interrupted (Ctrl-C, SIGTERM, an error): the busy workers are still working through this
+                # call's jobs, and the next call would read their answers as its own (a notebook that resumes
+                # training after Ctrl-C trained on another step's rewards). They are killed, not drained: a
+                # reward may never answer; the next call starts fresh ones.
+                self._discard(list(busy.values()))
+                raise
 
-    def _run(self, jobs: Sequence[Job], workers: int, timeout_s: float) -> list[Outcome]:
+    def _discard(self, workers: list[_Worker]) -> None:
+        for worker in workers:
+            worker.stop()
+            self._workers.remove(worker)
+
+    def _run(self, jobs: Sequence[Job], workers: int, timeout_s: float, busy: dict[Any, _Worker]) -> list[Outcome]:
+        """``run``'s work; ``busy`` (empty, filled here) holds the workers that owe an answer to this call."""
         outcomes: list[Outcome | None] = [None] * len(jobs)
         payloads: dict[int, bytes] = {}
         local: list[int] = []
@@ -207,7 +222,6 @@ class RewardPool:
         while len(self._workers) < min(workers, len(queue)):
             self._workers.append(_Worker.start())
         idle = deque(self._workers[: min(workers, len(self._workers))])
-        busy: dict[Any, _Worker] = {}
 
         def finish(worker: _Worker, outcome: Outcome, *, requeue_rest: bool) -> None:
             """Record the outcome of the worker's current job; on a dead or killed worker, put the rest of its
@@ -223,15 +237,16 @@ class RewardPool:
             while idle and queue:
                 worker = idle.popleft()
                 chunk = [queue.popleft() for _ in range(min(chunk_size, len(queue)))]
+                busy[worker.conn] = worker  # before sending: an interrupted send leaves half a message
                 try:
                     worker.conn.send((modules, [payloads[index] for index in chunk]))
                 except (OSError, ValueError):  # the worker is gone: replace it and send the chunk again
+                    del busy[worker.conn]
                     queue.extendleft(reversed(chunk))
                     idle.append(self._replace(worker))
                     continue
                 worker.chunk, worker.position, worker.started = chunk, 0, False
                 worker.sent_at = time.monotonic()
-                busy[worker.conn] = worker
             next_deadline = min(worker.deadline(timeout_s) for worker in busy.values())
             for conn in connection.wait(list(busy), timeout=max(0.0, next_deadline - time.monotonic())):
                 worker = busy[conn]

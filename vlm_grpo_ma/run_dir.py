@@ -46,12 +46,31 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool 
     log.info("--overwrite: deleted %s from %s", ", ".join(found), run_dir)
 
 
-def checkpoint_to_resume(run_dir: Path, resume: bool) -> Path | None:
-    """The newest checkpoint of ``run_dir`` with ``resume`` (None: start from step 0), else None."""
-    last = ckpt.latest_checkpoint(run_dir) if resume else None
-    if resume and last is None:
+def checkpoint_to_resume(run_dir: Path, resume: bool) -> tuple[Path | None, dict | None]:
+    """With ``resume``: the newest checkpoint of ``run_dir`` that loads, and its training state ((None, None):
+    no checkpoint, start from step 0); without: (None, None).
+
+    A checkpoint that does not load (a ``state.pt`` or model weights cut short by a full disk or a killed
+    copy) is passed over with a warning naming the file, and the one before it is tried: losing the steps
+    since that one beats a run that cannot continue. When checkpoints exist but none loads, ConfigError
+    naming each: starting again from step 0 would silently discard the run."""
+    found = ckpt.list_checkpoints(run_dir) if resume else []
+    if resume and not found:
         log.info("--resume: no checkpoint in %s, starting from step 0", run_dir)
-    return last
+    failures = []
+    for checkpoint in reversed(found):
+        try:
+            state = ckpt.load_resumable_state(checkpoint)
+        except ckpt.CheckpointLoadError as error:
+            failures.append(str(error))
+            log.warning("--resume: %s; trying the checkpoint before it", error)
+            continue
+        if failures:
+            log.warning("--resume: continuing from %s, the newest checkpoint that loads", checkpoint)
+        return checkpoint, state
+    if failures:
+        raise ConfigError(f"--resume: no checkpoint of {run_dir} loads: " + "; ".join(failures))
+    return None, None
 
 
 def write_summary(run_dir: Path, headline: list[str], counters: dict, *, is_main: bool) -> dict:

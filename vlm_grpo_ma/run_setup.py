@@ -81,8 +81,8 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
         tasks, stream = load_prompt_stream(cfg)
     eval_sets = load_eval_sets(cfg, tasks)
 
-    policy, last = load_training_policy(cfg, run_dir, resume, accelerator.device)
-    history_state = ckpt.load_training_state(last) if last is not None else None
+    last, history_state = checkpoint_to_resume(run_dir, resume)
+    policy = load_training_policy(cfg, last, accelerator.device)
     start_step = history_state["step"] if history_state is not None else 0
     scorer = CompletionScorer(policy, share_prefixes=shares_prefixes(cfg))
     fsdp = sharding.launch_settings() if num_processes > 1 else None
@@ -266,10 +266,9 @@ def load_model_policy(cfg: Config, model_path: str, device) -> Policy:
         raise ConfigError(f"model.name_or_path={model_path}: {error}") from error
 
 
-def load_training_policy(cfg: Config, run_dir: Path, resume: bool, device) -> tuple[Policy, Path | None]:
-    """The policy to train: ``model.name_or_path``, or with ``resume`` the newest checkpoint's model (which
-    may be a LoRA adapter over its base); LoRA and frozen parts configured. Returns it and that checkpoint."""
-    last = checkpoint_to_resume(run_dir, resume)
+def load_training_policy(cfg: Config, last: Path | None, device) -> Policy:
+    """The policy to train: ``model.name_or_path``, or the model of checkpoint ``last`` when resuming (which
+    may be a LoRA adapter over its base); LoRA and frozen parts configured."""
     model_path = str(last / "model") if last is not None else cfg.model.name_or_path
     policy = load_model_policy(cfg, model_path, device)
     policy.model.train()
@@ -277,5 +276,5 @@ def load_training_policy(cfg: Config, run_dir: Path, resume: bool, device) -> tu
     if cfg.model.gradient_checkpointing:
         policy.model.activation_checkpointing_enable()
     configure_trainable(policy, cfg)
-    return policy, last
+    return policy
 

@@ -16,7 +16,7 @@ from vlm_grpo_ma import checkpoint as ckpt
 from vlm_grpo_ma import lora, sharding, survive
 from vlm_grpo_ma.advantages import compute_advantages, informative_prompts
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
-from vlm_grpo_ma.config import Config
+from vlm_grpo_ma.config import SEED_STRIDE, Config
 from vlm_grpo_ma.data import PromptStream
 from vlm_grpo_ma.distributed import mean_over_processes, min_over_processes, sum_over_processes
 from vlm_grpo_ma.held_out import evaluate_during_training
@@ -68,6 +68,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             update = update_policy(scorer, batch, prompts, cfg, accelerator, run.optimizer, run.reference, guard)
             survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
             run.scheduler.step()
+            # The grad norm joins the spike history before the step's state is taken: a checkpoint of this
+            # step must hold it, or a resumed run's next ratios are computed over a window one step short.
+            update["train/grad_norm_spike_ratio"] = run.spikes.observe(update["train/grad_norm"])
             step, guard.weights_changed, completed = step + 1, False, run.completed_state()
 
             metrics = step_metrics(run, rollout, scored, (thought_adv, answer_adv), batch, update, learning_rate,
@@ -181,7 +184,7 @@ def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: in
         max_answer_tokens=cfg.rollout.max_answer_tokens,
         thought_stop=cfg.rollout.thought_stop,
         answer_stop=cfg.rollout.answer_stop,
-        generators=prompt_generators(cfg.train.seed * 1_000_003 + step, first_prompt, num_prompts),
+        generators=prompt_generators(cfg.train.seed * SEED_STRIDE + step, first_prompt, num_prompts),
     )
 
 
@@ -190,14 +193,12 @@ def step_metrics(
     learning_rate: float, seconds: tuple[float, float], step_counts: Counter,
 ) -> dict:
     """The step's figures, averaged over the processes (``distributed.mean_over_processes``). ``seconds``: the
-    step's and its rollout's wall time; ``step_counts``: this step's counters, summed over the processes. The
-    grad norm joins the spike monitor's history here."""
+    step's and its rollout's wall time; ``step_counts``: this step's counters, summed over the processes."""
     metrics = rollout_metrics(rollout, scored, *advantages, run.tasks)
     if run.cfg.algorithm.dynamic_sampling:
         metrics["signal/resampled_prompts"] = step_counts["resampled_prompts"]
         metrics["signal/uninformative_groups_trained"] = step_counts["uninformative_groups_trained"]
     metrics.update(update)
-    metrics["train/grad_norm_spike_ratio"] = run.spikes.observe(update["train/grad_norm"])
     metrics.update(sharding.state_bytes(run.policy.model, run.optimizer, run.accelerator.process_index, getattr(run.reference, "module", None)))
     metrics.update(timing_metrics(rollout, batch, *seconds))
     metrics.update(
