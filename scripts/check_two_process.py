@@ -191,7 +191,12 @@ def check_optimizer(
     print(f"  largest weight difference, one vs two processes:    {difference:.3e}")
     print(f"  learning rate / grad norm, largest relative difference: {rate_difference:.3e} / {norm_difference:.3e}")
     print(f"  two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
-    parts_ok = check_memory(one, two, strategy)
+    parts_ok = True
+    if "algorithm.dynamic_sampling=true" in extra:  # the draws each step made, which both runs must share
+        drawn = {run: logged(run, "signal/resampled_prompts") for run in (one, two)}
+        print(f"  prompts drawn again (dynamic sampling), 1 proc / 2 procs: {drawn[one]} / {drawn[two]}")
+        parts_ok = drawn[one] == drawn[two]
+    parts_ok = check_memory(one, two, strategy) and parts_ok
     if strategy == "fsdp":
         parts_ok = check_reduce_scatters(two, 2) and parts_ok
     return (

@@ -49,7 +49,12 @@ def test_two_sharded_processes_train_what_one_process_trains_with_half_the_memor
 @pytest.mark.slow
 def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does():
     """Flat GRPO (each thought trained on its M rows) under DeepSeekMath's per-sequence normaliser, with dynamic
-    sampling deciding its draws across processes: SGD sees a wrong normaliser or share as a weight difference.
-    Planted and seen to fail: the flat sequence weights divided by the process-local row count."""
-    _check("--strategy", "ddp", "--optimizers", "sgd", "--set", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt",
-           "algorithm.loss_aggregation=sequence", "algorithm.dynamic_sampling=true")  # fmt: skip
+    sampling on a reward the untrained model's groups often score all alike (``long_answer``: steps 2 and 3
+    draw 4 prompts again): SGD sees a wrong normaliser or a different choice of groups as a weight difference.
+    Planted and seen to fail: the flat sequence weights divided by the process-local row count (weights 3.9e-2
+    apart, grad norms doubled); each process deciding its draws and groups alone (weights 1.6e-2 apart, draws
+    [0, 4, 4] against [0, 4, 0])."""
+    out = _check("--strategy", "ddp", "--optimizers", "sgd", "--set", "data.task=long_answer", "algorithm.advantage_estimator=grpo",
+                 "algorithm.answer_baseline=prompt", "algorithm.loss_aggregation=sequence", "algorithm.dynamic_sampling=true")  # fmt: skip
+    drawn = next(line for line in out.splitlines() if "prompts drawn again" in line)
+    assert drawn.split(": ", 1)[1].split(" / ")[0] != "[0, 0, 0]", drawn  # the draws were exercised

@@ -244,6 +244,16 @@ def test_informative_prompts_are_those_whose_rewards_differ():
     assert informative_prompts(rewards).tolist() == [False, True, False]
 
 
+def test_the_step_trains_the_first_informative_groups_in_draw_order_then_fills():
+    from vlm_grpo_ma.dynamic_sampling import choose_groups
+
+    # two draws of 4 prompts: 3 informative in the first, 2 in the second; the step needs 4
+    assert choose_groups([True, True, False, True, True, False, True, False], 4) == [0, 1, 3, 4]
+    # the draws ran out with 2 informative groups: the first 2 uninformative ones fill the step
+    assert choose_groups([False, True, False, False, True, False, False, False], 4) == [1, 4, 0, 2]
+    assert choose_groups([False] * 4, 4) == [0, 1, 2, 3]
+
+
 def test_gathered_groups_keep_each_prompts_tree_and_scores_in_the_order_given():
     from vlm_grpo_ma.policy import TreeSample
     from vlm_grpo_ma.rewards import ScoredRollout, gather_scored_groups

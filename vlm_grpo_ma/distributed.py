@@ -75,11 +75,3 @@ def mean_over_processes(accelerator, metrics: dict[str, float]) -> dict[str, flo
             merged[key] = sum(values) / len(values)
     return merged
 
-
-def min_over_processes(accelerator, value: int) -> int:
-    """The smallest of every process's ``value`` (every process gets it)."""
-    if accelerator.num_processes == 1:
-        return value
-    from accelerate.utils import gather_object
-
-    return min(gather_object([value]))

@@ -18,7 +18,8 @@ from vlm_grpo_ma.advantages import compute_advantages, informative_prompts
 from vlm_grpo_ma.batch import TrainBatch, build_train_batch
 from vlm_grpo_ma.config import SEED_STRIDE, Config
 from vlm_grpo_ma.data import PromptStream
-from vlm_grpo_ma.distributed import mean_over_processes, min_over_processes, sum_over_processes
+from vlm_grpo_ma.distributed import mean_over_processes, sum_over_processes
+from vlm_grpo_ma.dynamic_sampling import draw_groups, keep_groups
 from vlm_grpo_ma.held_out import evaluate_during_training
 from vlm_grpo_ma.policy import (
     EncodedPrompt,
@@ -29,8 +30,8 @@ from vlm_grpo_ma.policy import (
     prompt_generators,
 )
 from vlm_grpo_ma.registry import get_task
-from vlm_grpo_ma.rewards import ScoredRollout, add_overlong_penalty, gather_scored_groups, score_rollout
-from vlm_grpo_ma.rollout import Rollout, gather_groups, generate_rollout
+from vlm_grpo_ma.rewards import ScoredRollout, add_overlong_penalty, score_rollout
+from vlm_grpo_ma.rollout import Rollout, generate_rollout
 from vlm_grpo_ma.run_dir import write_summary
 from vlm_grpo_ma.run_setup import RunState, setup_run
 from vlm_grpo_ma.step_metrics import headline_metrics, rollout_metrics, rollout_records, timing_metrics
@@ -101,56 +102,53 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
     """This process's share of step ``step``: its prompts, their K x M rollout, scored (with DAPO's overlong
     shaping when configured), and the seconds spent drawing and sampling.
 
-    Without ``algorithm.dynamic_sampling``: one draw of ``train.prompts_per_step`` prompts. With it, groups whose
-    K*M rewards are all equal (no signal) are set aside and the step is drawn again, up to
-    ``algorithm.dynamic_sampling_max_draws`` more times, until every process holds its share of informative
-    groups. The processes decide together, so all make the same draws and stay on one prompt stream; set-aside
-    groups fill a share still short after the last draw, so every process trains an equal share. The extra
-    prompts drawn (``resampled_prompts``) and the uninformative groups trained (``uninformative_groups_trained``)
-    are counted. A resumed run is exact: the extra draws are part of the stream's position."""
-    cfg, algo, share = run.cfg, run.cfg.algorithm, run.prompts_per_process
-    informative, spare, sampling_seconds, counts = [], [], 0.0, Counter()
+    Without ``algorithm.dynamic_sampling``: one draw of ``train.prompts_per_step`` prompts. With it
+    (``dynamic_sampling.py``), the step is drawn again, up to ``algorithm.dynamic_sampling_max_draws`` more times,
+    until the draws hold ``prompts_per_step`` groups whose task rewards are not all equal; the step trains the
+    first of those, filled up with uninformative ones, and every process takes its share. The extra prompts
+    drawn (``resampled_prompts``) and the uninformative groups trained are counted. A resumed run is exact: the
+    extra draws are part of the stream's position."""
+    cfg, algo = run.cfg, run.cfg.algorithm
+    share, first = run.prompts_per_process, run.accelerator.process_index * run.prompts_per_process
+    groups, sampling_seconds, counts = [], 0.0, Counter()
     for draw in range(1 + (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 0)):
         started = time.perf_counter()
-        samples, prompts, settings = step_prompts(run, step, draw)
+        samples, prompts, settings = step_prompts(run, step, draw)  # the whole draw; settings for this share
         run.policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
         # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
         with sharding.gathered(run.scorer), run.accelerator.autocast():
-            rollout = generate_rollout(run.policy, samples, prompts, num_thoughts=cfg.rollout.num_thoughts,
-                                       num_answers=cfg.rollout.num_answers, settings=settings)  # fmt: skip
+            rollout = generate_rollout(run.policy, samples[first : first + share], prompts[first : first + share],
+                                       num_thoughts=cfg.rollout.num_thoughts, num_answers=cfg.rollout.num_answers,
+                                       settings=settings)  # fmt: skip
         sampling_seconds += time.perf_counter() - started
         scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
                                truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
+        informative = informative_prompts(scored.rewards)  # on the task's rewards, before the length shaping (as DAPO)
         scored = add_overlong_penalty(
             scored, rollout, max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens,
             thought_buffer=algo.overlong_buffer_thought_tokens, answer_buffer=algo.overlong_buffer_answer_tokens,
             penalty=algo.overlong_penalty,
         )  # fmt: skip
         if not algo.dynamic_sampling:
-            return prompts, rollout, scored, sampling_seconds
+            return rollout.prompts, rollout, scored, sampling_seconds
         counts.update(scored.counters)
-        counts["resampled_prompts"] += len(samples) if draw > 0 else 0
-        for b, has_signal in enumerate(informative_prompts(scored.rewards).tolist()):
-            (informative if has_signal else spare).append((rollout, scored, b))
-        if min_over_processes(run.accelerator, len(informative)) >= share:
+        counts["resampled_prompts"] += share if draw > 0 else 0
+        groups += draw_groups(run.accelerator, rollout, scored, informative, samples, prompts)
+        if sum(group.informative for group in groups) >= cfg.train.prompts_per_step:
             break
-    groups = (informative + spare)[:share]
-    counts["uninformative_groups_trained"] += max(0, share - len(informative))
-    rollout = gather_groups([(rollout, b) for rollout, _, b in groups])
-    scored = gather_scored_groups([(scored, b) for _, scored, b in groups], counts)
+    rollout, scored = keep_groups(groups, cfg.train.prompts_per_step, first, share, counts)
     return rollout.prompts, rollout, scored, sampling_seconds
 
 
 def step_prompts(run: RunState, step: int, draw: int = 0) -> tuple[list, list[EncodedPrompt], SamplingSettings]:
-    """This process's share of step ``step``'s prompts (of its ``draw``-th draw: dynamic sampling draws again),
-    and how to sample them. Every process draws the whole step (same stream, same skips), then keeps its own
-    share."""
+    """The prompts of step ``step``'s ``draw``-th draw (dynamic sampling draws again), all of them: every process
+    draws the whole step (same stream, same skips), and samples its own share, prompts ``process_index * share``
+    onwards, with the returned settings."""
     cfg, share = run.cfg, run.prompts_per_process
     instruction_of = lambda name: get_task(name).instruction  # noqa: E731
     samples, prompts = draw_prompts(run.policy, run.stream, cfg.train.prompts_per_step, instruction_of, run.counters)
     first_prompt = run.accelerator.process_index * share
-    samples, prompts = samples[first_prompt : first_prompt + share], prompts[first_prompt : first_prompt + share]
-    return samples, prompts, sampling_settings(cfg, step, draw * cfg.train.prompts_per_step + first_prompt, len(samples))
+    return samples, prompts, sampling_settings(cfg, step, draw * cfg.train.prompts_per_step + first_prompt, share)
 
 
 def draw_prompts(
