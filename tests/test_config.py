@@ -135,6 +135,7 @@ def test_bad_task_mixtures_are_refused(overrides, message):
         ("model.min_pixels=-5", "model.min_pixels=-5 must be > 0"),
         ("train.steps=[1", "override 'train.steps=[1': the value '[1' is not valid YAML"),
         ("train.eval_samples=0", "train.eval_samples=0 must be > 0"),
+        ("algorithm.clip_low=1.5", "algorithm.clip_low=1.5 must be in [0, 1]"),
     ],
 )
 def test_non_finite_and_out_of_range_values_are_refused(override, message):
@@ -156,6 +157,12 @@ def test_the_largest_valid_seed_samples_every_step_and_the_next_one_overflows(st
         prompt_generators(last_step_seed + SEED_STRIDE, SEED_STRIDE - 1, 1)  # train.seed = highest + 1
     with pytest.raises(ConfigError, match=rf"train.seed={highest + 1} is out of range: valid seeds are 0 .. {highest} "):
         load_config(None, [f"train.seed={highest + 1}", f"train.steps={steps}"])
+
+
+def test_dynamic_sampling_draws_beyond_the_seed_numbering_are_refused():
+    with pytest.raises(ConfigError, match="algorithm.dynamic_sampling_max_draws=100000 with train.prompts_per_step=16 draws more than"):
+        load_config(None, ["algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_draws=100000"])
+    load_config(None, ["algorithm.dynamic_sampling=false", "algorithm.dynamic_sampling_max_draws=100000"])  # unused: fine
 
 
 def test_invalid_yaml_names_the_file_and_line(tmp_path):

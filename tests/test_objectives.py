@@ -331,3 +331,17 @@ def test_each_objective_trains_from_the_config(untrained_tiny_dir, tmp_path, ove
         assert any(r["train/clip_fraction"] > 0 for r in records)  # sequence ratios leave [1 - 3e-4, 1 + 4e-4]
     if "algorithm.overlong_buffer_answer_tokens=3" in overrides:
         assert all(r["reward/overlong"] <= 0 for r in records) and any(r["reward/overlong"] < 0 for r in records)
+
+
+def test_the_configured_aggregation_reaches_the_update(untrained_tiny_dir, tmp_path):
+    """The same first step (same samples) under token and dr_grpo weighs thoughts differently: token by their
+    share of the trained tokens, dr_grpo by half the step whatever their lengths (the thoughts' half over their
+    longest length). Planted and seen to fail: the update ignoring algorithm.loss_aggregation."""
+    task = ("data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]")
+    shares = {}
+    for name in ("token", "dr_grpo"):
+        train_module.train(tiny_run_config(untrained_tiny_dir, tmp_path / name, *task, f"algorithm.loss_aggregation={name}", steps=1))
+        (record,) = _metrics(tmp_path / name)
+        shares[name] = record["train/thought_weight_share"]
+        tokens = (record["rollout/thought_tokens"], record["rollout/answer_tokens"])
+    assert shares["token"] != pytest.approx(shares["dr_grpo"], abs=1e-3), (shares, tokens)

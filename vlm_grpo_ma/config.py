@@ -78,8 +78,9 @@ class AlgorithmConfig:
     std_unbiased: bool = False
     eps: float = 1e-6
     # The per-token policy loss (loss.POLICY_LOSSES): ppo (clipped surrogate), gspo (sequence-level ratio,
-    # length-normalised; its paper clips at 3e-4/4e-4), cispo (clipped, stop-gradient importance weight times
-    # the log-prob; clip_low=1 leaves the lower side open as MiniMax-M1 does).
+    # length-normalised; GSPO as published also sets loss_aggregation=sequence and clips at 3e-4/4e-4), cispo
+    # (clipped, stop-gradient importance weight times the log-prob; clip_low=1 leaves the lower side open as
+    # MiniMax-M1 does).
     policy_loss: str = "ppo"
     clip_low: float = 0.2
     clip_high: float = 0.28  # asymmetric ("clip-higher", DAPO arXiv 2503.14476)
@@ -305,6 +306,18 @@ def validate(cfg: Config) -> Config:
         )
     if None not in (cfg.model.min_pixels, cfg.model.max_pixels) and cfg.model.min_pixels > cfg.model.max_pixels:
         raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} must be <= model.max_pixels={cfg.model.max_pixels}")
+    draws = 1 + cfg.algorithm.dynamic_sampling_max_draws if cfg.algorithm.dynamic_sampling else 1
+    if draws * cfg.train.prompts_per_step > SEED_STRIDE:
+        raise ConfigError(
+            f"algorithm.dynamic_sampling_max_draws={cfg.algorithm.dynamic_sampling_max_draws} with"
+            f" train.prompts_per_step={cfg.train.prompts_per_step} draws more than {SEED_STRIDE} prompts a step, the"
+            " most the sampling seeds number apart"
+        )
+    if not cfg.algorithm.clip_low <= 1:
+        raise ConfigError(
+            f"algorithm.clip_low={cfg.algorithm.clip_low!r} must be in [0, 1] (the ratio's lower bound is 1 - clip_low;"
+            " 1 leaves it open)"
+        )
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
     if cfg.rollout.num_thoughts < 2:
