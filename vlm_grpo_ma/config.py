@@ -88,13 +88,13 @@ class AlgorithmConfig:
     # policy updates per rollout. With 1 the importance ratio is exactly 1 and clip_low/clip_high have no effect;
     # > 1 reuses the rollout and the ratio and clipping act from the second update on.
     num_iterations: int = 1
-    # How the step's tokens are weighted (loss.LOSS_AGGREGATIONS); every choice puts a total weight of 1 on the
-    # step. token: one mean over every trained token (DAPO). sequence: each sequence averaged over its tokens,
+    # How the step's tokens are weighted (loss.LOSS_AGGREGATIONS); the weights sum to 1 over the step (dr_grpo's
+    # to at most 1). token: one mean over every trained token (DAPO). sequence: each sequence averaged over its tokens,
     # then sequences averaged (GRPO as published; on GRPO-MA's tree thoughts and answers are two halves).
     # dr_grpo: sequence with a constant length, the maximum (Dr.GRPO; pair with scale_by_std=false).
     loss_aggregation: str = "token"
-    # DAPO's dynamic sampling: drop prompt groups whose K*M rewards are all equal (no signal) and draw more
-    # prompts, up to dynamic_sampling_max_draws extra draws of train.prompts_per_step prompts, until the step has
+    # DAPO's dynamic sampling: drop prompt groups whose K*M task rewards are all equal (no signal) and draw more
+    # prompts, up to dynamic_sampling_max_draws extra draws of train.prompts_per_step prompts, until the draws hold
     # prompts_per_step informative groups (short of that, uninformative ones fill the step; both are counted).
     dynamic_sampling: bool = False
     dynamic_sampling_max_draws: int = 4
