@@ -11,6 +11,8 @@ one JSON line of the largest differences."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import json
 import os
 import sys
@@ -41,13 +43,14 @@ def settings_for(rank: int) -> SamplingSettings:
     )
 
 
-def rows_of(tree):
-    """Training rows of a tree: (row_prompt, completion ids, thought lengths)."""
+def rows_of(tree, one_token_answers: bool = False):
+    """Training rows of a tree: (row_prompt, completion ids, thought lengths); ``one_token_answers`` keeps each
+    answer's first token only (the shared-prefix forward then has no answer tokens to feed after the thought)."""
     row_prompt, completions, thought_lengths = [], [], []
     for a, answer in enumerate(tree.answer_ids):
         t = a // M
         row_prompt.append(t // K)
-        completions.append(tree.thought_ids[t] + answer)
+        completions.append(tree.thought_ids[t] + (answer[:1] if one_token_answers else answer))
         thought_lengths.append(len(tree.thought_ids[t]))
     return row_prompt, completions, thought_lengths
 
@@ -64,9 +67,14 @@ def main() -> int:
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--freeze-vision", action="store_true")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="as the 7B FSDP preset trains")
+    parser.add_argument(
+        "--mixed", action="store_true",
+        help="the last rank's prompts are text-only and its answers one token long (a task mixture's worst case)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # a collective one rank skips fails in a minute (gloo's default would wait half an hour)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def make_policy():
@@ -89,6 +97,11 @@ def main() -> int:
 
     plain, sharded = make_policy(), make_policy()
     samples = get_task("grounding").load("train", None)[: PROMPTS_PER_RANK * world]
+    text_only_rank = world - 1 if args.mixed else None
+    if args.mixed:  # the last rank's share: the same questions without their images
+        samples = samples[: PROMPTS_PER_RANK * text_only_rank] + [
+            dataclasses.replace(s, images=()) for s in samples[PROMPTS_PER_RANK * text_only_rank :]
+        ]
     prompts = [encode_prompt(plain, s, "Think.") for s in samples]
     mine = prompts[rank * PROMPTS_PER_RANK : (rank + 1) * PROMPTS_PER_RANK]
     result = {}
@@ -123,7 +136,7 @@ def main() -> int:
             p.grad = None
         for p in plain.model.parameters():
             p.grad = None
-        row_prompt, completions, thought_lengths = rows_of(tree)
+        row_prompt, completions, thought_lengths = rows_of(tree, rank == text_only_rank)
         logprobs = scorer(mine, row_prompt, completions, thought_lengths, temperature=1.0)
         # as update_policy: each rank's loss times the number of processes (policy_loss's total_weight 1/N),
         # which FSDP's averaging of gradients over processes turns into the sum of the ranks' losses
@@ -131,7 +144,7 @@ def main() -> int:
         # the unsharded reference: the sum over ranks of each rank's loss
         reference_logprobs = None
         for r in range(world):
-            rp, comp, tl = rows_of(reference_trees[r])
+            rp, comp, tl = rows_of(reference_trees[r], r == text_only_rank)
             lp = CompletionScorer(plain, share_prefixes=share)(
                 prompts[r * PROMPTS_PER_RANK : (r + 1) * PROMPTS_PER_RANK], rp, comp, tl, temperature=1.0
             )

@@ -91,7 +91,9 @@ def _parts(model_dir, *flags):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "flags", [(), ("--lora",), ("--gradient-checkpointing",)], ids=["full", "lora", "gradient-checkpointing"]
+    "flags",
+    [(), ("--lora",), ("--gradient-checkpointing",), ("--mixed",), ("--mixed", "--gradient-checkpointing"), ("--mixed", "--lora")],
+    ids=["full", "lora", "gradient-checkpointing", "mixed", "mixed-gradient-checkpointing", "mixed-lora"],
 )
 def test_sharded_model_samples_scores_and_backpropagates_like_the_unsharded_one(untrained_tiny_dir, flags):
     found = _parts(untrained_tiny_dir, *flags)

@@ -275,6 +275,40 @@ def _encode_images(policy: Policy, prompts: Sequence[EncodedPrompt]):
     return policy.model.model.get_image_features(pixel_values, grid, return_dict=True), grid
 
 
+@functools.lru_cache(maxsize=8)
+def _blank_image_inputs(processor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values, image_grid_thw) of the smallest image the processor makes: a 1x1 black image, resized
+    up to the processor's minimum (a few patches)."""
+    encoded = processor.image_processor(images=[Image.new("RGB", (1, 1))], return_tensors="pt")
+    return encoded["pixel_values"], encoded["image_grid_thw"]
+
+
+def idle_vision_term(policy: Policy) -> torch.Tensor:
+    """Zero, computed through the vision tower: a scored micro-batch without images computes it where the
+    images would have been encoded (before the decoder: collectives must also come in the same order) and
+    adds it to its log-probs.
+
+    Under FSDP each vision block is a unit that all-gathers its parameters when it runs (and reduce-scatters
+    its gradient after the backward); a process whose micro-batch has no image would skip those collectives
+    while the others issue them, and the processes would abort on mismatched collectives or hang. With this
+    term every process runs the tower on every training forward (a blank image of a few patches) and every
+    vision parameter gets a gradient (zero from this process), under DDP too, so no parameter is ever unused.
+    """
+    pixel_values, grid = _blank_image_inputs(policy.processor)
+    device = policy.device
+    features = policy.model.model.get_image_features(pixel_values.to(device), grid.to(device), return_dict=True)
+    outputs = [*features.pooler_output, *(getattr(features, "deepstack_features", None) or [])]
+    return sum(_zero_of(t) for t in outputs)
+
+
+def _zero_of(tensor) -> torch.Tensor:
+    """0 * sum(tensor) (or of every tensor of a tuple): ties a computation into the loss's graph without
+    changing any value."""
+    if isinstance(tensor, (tuple, list)):
+        return sum(_zero_of(t) for t in tensor)
+    return tensor.sum(dtype=torch.float32) * 0.0
+
+
 def _vision_inputs(vision_output) -> dict:
     """The model's image argument for features already computed (nothing for a text-only batch)."""
     return {} if vision_output is None else {"mm_encoder_outputs": {"image": vision_output}}
@@ -689,6 +723,8 @@ def sequence_logprobs(
     ids, mask = ids.to(device), mask.to(device)
     used = sorted(set(row_prompt))
     vision, _ = _encode_images(policy, [prompts[p] for p in used])
+    # no image in this micro-batch: the tower runs anyway, where it would have run (see idle_vision_term)
+    idle_vision = idle_vision_term(policy) if vision is None else None
     images_per_prompt = [prompts[p].image_grid_thw.shape[0] for p in used]
     row_vision = _select_vision_rows(vision, images_per_prompt, [used.index(p) for p in row_prompt])
     grid = torch.cat([prompts[p].image_grid_thw for p in row_prompt]).to(device)
@@ -708,17 +744,25 @@ def sequence_logprobs(
     logits = policy.model.lm_head(picked)  # only completion positions: saves an [N, L, V] tensor
     targets, _ = _right_pad(completions, 0)
     logprobs = _policy_logprobs(logits, temperature, policy.suppressed_token_ids).gather(-1, targets.to(device)[..., None]).squeeze(-1)
+    if idle_vision is not None:
+        logprobs = logprobs + idle_vision
     return logprobs.masked_fill(~valid, 0.0)
 
 
 def _continue_block(policy: Policy, cache, mask: torch.Tensor, next_position: torch.Tensor, rows: Sequence[Sequence[int]]):
     """Feed one right-padded block of tokens per row after what ``cache`` holds (it grows in place).
     ``mask`` [N, L] is the cache's attention mask, ``next_position`` [N] each row's next text position.
-    Returns (hidden states [N, W, H], the mask extended to [N, L + W])."""
+    Returns (hidden states [N, max(W, 1), H], the mask extended to [N, L + max(W, 1)]); W = 0 feeds one
+    masked pad column."""
     device = policy.device
     ids, block_mask = _right_pad(rows, policy.pad_token_id)
-    if ids.shape[1] == 0:  # every row's block is empty
-        return torch.zeros((len(rows), 0, policy.model.config.get_text_config().hidden_size), device=device), mask
+    if ids.shape[1] == 0:
+        # Every row's block is empty (one-token answers, empty thoughts): the decoder still runs, on one masked
+        # pad column, because under FSDP each layer's forward all-gathers its parameters and every process must
+        # issue the same collectives whatever its rows hold. Callers read only the first W hidden states of a
+        # block; shared_prefix_logprobs ties the rest into the result with weight 0 (the same backward too).
+        ids = torch.full((len(rows), 1), policy.pad_token_id, dtype=torch.long)
+        block_mask = torch.zeros((len(rows), 1), dtype=torch.long)
     ids, block_mask = ids.to(device), block_mask.to(device)
     mask = torch.cat([mask, block_mask], dim=1)
     # text after the image: the three mRoPE components are equal
@@ -764,6 +808,8 @@ def shared_prefix_logprobs(
     ids, mask = _right_pad([prompts[p].input_ids for p in used], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     vision, grid = _encode_images(policy, [prompts[p] for p in used])
+    # no image in this micro-batch: the tower runs anyway, where it would have run (see idle_vision_term)
+    idle_vision = idle_vision_term(policy) if vision is None else None
     positions = _rope_positions(policy, ids, mask, grid)
     cache = DynamicCache(config=policy.model.config)
     prompt_hidden = policy.model.model(
@@ -802,7 +848,15 @@ def shared_prefix_logprobs(
     for r, (t, answer) in enumerate(zip(thought_lengths, answers, strict=True)):
         padding = answer_logprobs.new_zeros(width - t - len(answer))
         rows.append(torch.cat([thought_logprobs[thought_of_row[r], :t], answer_logprobs[r, : len(answer)], padding]))
-    return torch.stack(rows) if rows else torch.zeros((0, width), device=device)
+    if not rows:
+        return torch.zeros((0, width), device=device)
+    # Every pass's output is part of the result, whatever the rows hold, so that every process runs the same
+    # backward (FSDP gathers and reduces per layer use): the pad columns of empty blocks, and the vision tower
+    # on a micro-batch without images (idle_vision_term), enter with weight 0.
+    unused = _zero_of(thought_hidden) + _zero_of(answer_hidden)
+    if idle_vision is not None:
+        unused = unused + idle_vision
+    return torch.stack(rows) + unused
 
 
 def _token_logprobs(policy: Policy, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
