@@ -12,7 +12,15 @@ figure (FSDP: each rank must hold at most 55% of it); under FSDP also the reduce
 step, counted per rank (tests/fixtures/count_reduce_scatters.py): one per FSDP unit with trainable
 parameters, with 2 micro-batches per process and step.
 
-    .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--keep DIR] [--set KEY=VALUE ...]
+    .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--mixture] [--machines 2]
+        [--keep DIR] [--set KEY=VALUE ...]
+
+``--mixture`` trains a task mixture of the grounding scenes (with images, rewarded by answer length) and the
+code task (text-only prompts): at some steps one process holds a micro-batch without an image while the other
+holds one (the script prints each step's prompts per process, I = image, T = text-only), so every process
+must issue the same collectives whatever its rows hold. ``--machines 2`` launches the two processes as two
+machines of one process each (``--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1``), the
+multi-node launch, on this host.
 
 ``--set`` adds config overrides to every run, e.g. another objective: ``--set algorithm.advantage_estimator=grpo
 algorithm.loss_aggregation=sequence algorithm.dynamic_sampling=true``.
@@ -36,6 +44,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +57,7 @@ LEARNING_RATES = {"adamw": 1e-3, "sgd": 0.5}  # both move the untrained model's 
 LAUNCH_CONFIGS = {"ddp": "configs/accelerate/cpu-2proc.yaml", "fsdp": "configs/accelerate/cpu-2proc-fsdp.yaml"}
 MEMORY_PARTS = ("parameter", "gradient", "optimizer", "reference")  # reference: the frozen KL model
 SHARDED_SHARE = 0.55  # FSDP over 2 processes: each holds about half (shards are padded to equal sizes)
+MIXTURE = "data.tasks={answer_length: 1, code: 1}"  # grounding scenes (images) + code (text-only)
 
 
 def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
@@ -76,26 +86,46 @@ def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
     ]
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(
-    out_dir: Path, overrides: list[str], processes: int, *, resume: bool = False, strategy: str = "ddp", count: bool = False
+    out_dir: Path, overrides: list[str], processes: int, *, resume: bool = False, strategy: str = "ddp", count: bool = False,
+    machines: int = 1,
 ) -> None:
-    """Train into ``out_dir``; ``count``: through COUNTER, which logs the reduce-scatters of each step."""
+    """Train into ``out_dir``; ``count``: through COUNTER, which logs the reduce-scatters of each step;
+    ``machines``: the processes launched as that many machines (one ``accelerate launch`` each) on this host."""
     python = sys.executable
     trainer = [str(COUNTER)] if count else ["-m", "vlm_grpo_ma.train"]
+    arguments = ["--output-dir", str(out_dir), *overrides] + (["--resume"] if resume else [])
     if processes == 1:
-        command = [python, *trainer]
+        commands = [[python, *trainer, *arguments]]
     else:
-        command = [
-            python, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / LAUNCH_CONFIGS[strategy]),
-            "--num_processes", str(processes), *trainer,
-        ]
-    command += ["--output-dir", str(out_dir), *overrides] + (["--resume"] if resume else [])
+        launcher = [python, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / LAUNCH_CONFIGS[strategy]),
+                    "--num_processes", str(processes)]  # fmt: skip
+        if machines > 1:  # the same launch on each machine, its rank and the rank-0 machine's address named
+            port = free_port()
+            commands = [
+                [*launcher, "--num_machines", str(machines), "--machine_rank", str(rank),
+                 "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *trainer, *arguments]
+                for rank in range(machines)
+            ]  # fmt: skip
+        else:
+            commands = [[*launcher, *trainer, *arguments]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
-        raise SystemExit(f"training with {processes} process(es) failed (exit {done.returncode})")
+    running = [
+        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for command in commands
+    ]
+    outputs = [process.communicate() for process in running]
+    for process, (stdout, stderr) in zip(running, outputs, strict=True):
+        if process.returncode != 0:
+            sys.stderr.write(stdout[-4000:] + stderr[-4000:])
+            raise SystemExit(f"training with {processes} process(es) on {machines} machine(s) failed (exit {process.returncode})")
 
 
 def final_weights(run_dir: Path):
@@ -159,8 +189,25 @@ def check_reduce_scatters(run_dir: Path, processes: int) -> bool:
     return ok
 
 
+def step_shares(overrides: list[str], steps: int, processes: int = 2) -> list[list[str]]:
+    """Per step, per process, its prompts as I (with an image) or T (text-only), in micro-batch order: the
+    run's own prompt stream, replayed."""
+    from vlm_grpo_ma.config import load_config
+    from vlm_grpo_ma.run_setup import load_prompt_stream
+
+    cfg = load_config(None, overrides)
+    _, stream = load_prompt_stream(cfg)
+    share = cfg.train.prompts_per_step // processes
+    shares = []
+    for _ in range(steps):
+        kinds = "".join("I" if sample.images else "T" for sample in stream.take(cfg.train.prompts_per_step))
+        shares.append([kinds[rank * share : (rank + 1) * share] for rank in range(processes)])
+    return shares
+
+
 def check_optimizer(
-    work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str = "ddp", extra: tuple[str, ...] = ()
+    work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str = "ddp", extra: tuple[str, ...] = (),
+    machines: int = 1,
 ) -> bool:
     """One optimiser: one process vs two, and two straight vs two stopped and resumed. Prints the figures."""
     from safetensors.torch import load_file
@@ -168,12 +215,13 @@ def check_optimizer(
     overrides = [*run_overrides(model_dir, steps, optimizer), *extra]
     one, two, resumed = work / f"{optimizer}-one-process", work / f"{optimizer}-two-{strategy}", work / f"{optimizer}-two-{strategy}-resumed"
     launch(one, overrides, 1)
-    launch(two, overrides, 2, strategy=strategy, count=strategy == "fsdp")
+    launch(two, overrides, 2, strategy=strategy, count=strategy == "fsdp", machines=machines)
     # stopped a step early: a run with the same train.steps (it fixes the schedule) whose last checkpoint is
     # removed, so --resume continues from the checkpoint of step steps - 1
-    launch(resumed, [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"], 2, strategy=strategy)
+    stopped = [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"]
+    launch(resumed, stopped, 2, strategy=strategy, machines=machines)
     shutil.rmtree(resumed / "checkpoints" / f"step-{steps:06d}")
-    launch(resumed, overrides, 2, resume=True, strategy=strategy)
+    launch(resumed, overrides, 2, resume=True, strategy=strategy, machines=machines)
     start = load_file(Path(model_dir) / "model.safetensors")
     w_one, w_two, w_resumed = final_weights(one), final_weights(two), final_weights(resumed)
     moved, difference, resume_difference = (
@@ -192,6 +240,12 @@ def check_optimizer(
     print(f"  learning rate / grad norm, largest relative difference: {rate_difference:.3e} / {norm_difference:.3e}")
     print(f"  two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
     parts_ok = True
+    if MIXTURE in extra:  # the run's prompts: a process without an image where the other has one
+        shares = step_shares(overrides, steps)
+        print("  prompts per process and step (I image, T text-only), rank 0 | rank 1: " + ", ".join(" | ".join(s) for s in shares))
+        differing = sum(a != b for ranks in shares for a, b in zip(*ranks, strict=True))
+        print(f"  micro-batches where one process has no image and the other has one: {differing}")
+        parts_ok = differing > 0
     if "algorithm.dynamic_sampling=true" in extra:  # the draws each step made, which both runs must share
         drawn = {run: logged(run, "signal/resampled_prompts") for run in (one, two)}
         print(f"  prompts drawn again (dynamic sampling), 1 proc / 2 procs: {drawn[one]} / {drawn[two]}")
@@ -213,16 +267,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=sorted(LEARNING_RATES))
     parser.add_argument("--keep", help="keep the runs in this folder (default: a temporary folder)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides added to every run")
+    parser.add_argument("--mixture", action="store_true", help="train grounding scenes (images) + code (text-only) mixed")
+    parser.add_argument("--machines", type=int, choices=(1, 2), default=1, help="launch the two processes as two machines")
     args = parser.parse_args(argv)
     from vlm_grpo_ma.tiny import build_untrained
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         model_dir = build_untrained(work / "untrained", seed=0)
-        print(f"strategy: {args.strategy}; steps: {args.steps} (warmup 1, then linear decay), global batch: 4 prompts x "
-              f"2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}" + (f"; overrides: {' '.join(args.set)}" if args.set else ""))
+        extra = (*([MIXTURE] if args.mixture else []), *args.set)
+        print(f"strategy: {args.strategy}; machines: {args.machines}; steps: {args.steps} (warmup 1, then linear decay), global "
+              f"batch: 4 prompts x 2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}" + (f"; overrides: {' '.join(extra)}" if extra else ""))
         results = [
-            check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, tuple(args.set)) for name in args.optimizers
+            check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, extra, args.machines) for name in args.optimizers
         ]
     ok = all(results)
     print("equivalent" if ok else "NOT equivalent")

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found when loading the data or the model
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except survive.NonFiniteError as error:  # the last checkpoint is kept; the message names the quantity
+    except (survive.NonFiniteError, survive.StoppedByAnotherProcess) as error:  # the message names the quantity / process
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as interrupt:  # train() saved a checkpoint of the steps done

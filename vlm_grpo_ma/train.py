@@ -51,23 +51,26 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             run.logger.log_step(0, held_out, advance=False)
             run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
     step, guard, completed = run.start_step, UpdateGuard(), run.completed_state()
-    restore_sigterm = survive.raise_on_sigterm()  # SIGTERM saves and stops like Ctrl-C (exit code 143)
+    # SIGTERM saves and stops like Ctrl-C (exit code 143); several processes stop together (survive.together)
+    restore_sigterm = survive.raise_on_sigterm(accelerator.num_processes)
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
             prompts, rollout, scored, rollout_seconds = sample_step(run, step)
             step_counts = sum_over_processes(accelerator, scored.counters)
             counters.update(step_counts)
-            thought_adv, answer_adv = compute_advantages(
-                cfg.algorithm.advantage_estimator, scored.rewards, answer_baseline=cfg.algorithm.answer_baseline,
-                scale_by_std=cfg.algorithm.scale_by_std, eps=cfg.algorithm.eps, unbiased=cfg.algorithm.std_unbiased,
-            )  # fmt: skip
-            batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts=cfg.rollout.truncated_thoughts)
-            policy.model.train()
-            learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
-            survive.check_inputs_finite(step + 1, scored.rewards, (thought_adv, answer_adv), learning_rate)
+            with survive.together(accelerator):  # a non-finite input on any process stops every process here
+                thought_adv, answer_adv = compute_advantages(
+                    cfg.algorithm.advantage_estimator, scored.rewards, answer_baseline=cfg.algorithm.answer_baseline,
+                    scale_by_std=cfg.algorithm.scale_by_std, eps=cfg.algorithm.eps, unbiased=cfg.algorithm.std_unbiased,
+                )  # fmt: skip
+                batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts=cfg.rollout.truncated_thoughts)
+                policy.model.train()
+                learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
+                survive.check_inputs_finite(step + 1, scored.rewards, (thought_adv, answer_adv), learning_rate)
             update = update_policy(scorer, batch, prompts, cfg, accelerator, run.optimizer, run.reference, guard)
-            survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
+            with survive.together(accelerator):  # FSDP: each process checks its shards
+                survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
             run.scheduler.step()
             # The grad norm joins the spike history before the step's state is taken: a checkpoint of this
             # step must hold it, or a resumed run's next ratios are computed over a window one step short.
@@ -79,18 +82,20 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             evaluating = bool(run.eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
             if evaluating:
                 metrics.update(evaluate(run, step))
-            if accelerator.is_main_process:
-                if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluating:
-                    run.logger.log_step(step, metrics)
-                if evaluating:  # the drawings of truth and greedy prediction the evaluation wrote
-                    run.logger.log_drawings(step, eval_folder(run, step) / "draw")
-                trees = rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step, thought_adv)
-                run.logger.log_rollouts(step, trees, [s.images[0] if s.images else None for s in rollout.samples[: len(trees)]])
+            with survive.together(accelerator):  # the main process's logging; a stop signal on any process
+                if accelerator.is_main_process:
+                    if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluating:
+                        run.logger.log_step(step, metrics)
+                    if evaluating:  # the drawings of truth and greedy prediction the evaluation wrote
+                        run.logger.log_drawings(step, eval_folder(run, step) / "draw")
+                    trees = rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step, thought_adv)
+                    run.logger.log_rollouts(step, trees, [s.images[0] if s.images else None for s in rollout.samples[: len(trees)]])
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                save_checkpoint(run, step, completed)
+                with survive.together(accelerator):
+                    save_checkpoint(run, step, completed)
                 accelerator.wait_for_everyone()
-    except BaseException:
-        save_on_the_way_out(run, step, guard, completed)  # nothing lost on a crash or Ctrl-C
+    except BaseException as error:
+        save_on_the_way_out(run, step, guard, completed, error)  # nothing lost on a crash or Ctrl-C
         raise
     finally:
         restore_sigterm()
@@ -113,22 +118,25 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
     groups, sampling_seconds, counts = [], 0.0, Counter()
     for draw in range(1 + (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 0)):
         started = time.perf_counter()
-        samples, prompts, settings = step_prompts(run, step, draw)  # the whole draw; settings for this share
+        # Each block between collectives runs in survive.together: an error on one process stops every process.
+        with survive.together(run.accelerator):
+            samples, prompts, settings = step_prompts(run, step, draw)  # the whole draw; settings for this share
         run.policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
         # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
-        with sharding.gathered(run.scorer), run.accelerator.autocast():
+        with sharding.gathered(run.scorer), run.accelerator.autocast(), survive.together(run.accelerator):
             rollout = generate_rollout(run.policy, samples[first : first + share], prompts[first : first + share],
                                        num_thoughts=cfg.rollout.num_thoughts, num_answers=cfg.rollout.num_answers,
                                        settings=settings)  # fmt: skip
         sampling_seconds += time.perf_counter() - started
-        scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
-                               truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
-        informative = informative_prompts(scored.rewards)  # on the task's rewards, before the length shaping (as DAPO)
-        scored = add_overlong_penalty(
-            scored, rollout, max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens,
-            thought_buffer=algo.overlong_buffer_thought_tokens, answer_buffer=algo.overlong_buffer_answer_tokens,
-            penalty=algo.overlong_penalty,
-        )  # fmt: skip
+        with survive.together(run.accelerator):
+            scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
+                                   truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
+            informative = informative_prompts(scored.rewards)  # on the task's rewards, before the length shaping (as DAPO)
+            scored = add_overlong_penalty(
+                scored, rollout, max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens,
+                thought_buffer=algo.overlong_buffer_thought_tokens, answer_buffer=algo.overlong_buffer_answer_tokens,
+                penalty=algo.overlong_penalty,
+            )  # fmt: skip
         if not algo.dynamic_sampling:
             return rollout.prompts, rollout, scored, sampling_seconds
         counts.update(scored.counters)
@@ -244,17 +252,22 @@ def save_checkpoint(run: RunState, step: int, completed: dict) -> None:
         )
 
 
-def save_on_the_way_out(run: RunState, step: int, guard: UpdateGuard, completed: dict) -> None:
+def save_on_the_way_out(run: RunState, step: int, guard: UpdateGuard, completed: dict, error: BaseException) -> None:
     """On a crash, Ctrl-C or SIGTERM: checkpoint the steps done since the last checkpoint, unless the weights
-    belong to no step (an optimiser step of the unfinished step ran) or saving would wait on failed processes."""
+    belong to no step (an optimiser step of the unfinished step ran) or saving would wait on failed processes
+    (FSDP saves collectively: only after a stop every process made at the same point, survive.together)."""
     last_saved = ckpt.latest_checkpoint(run.run_dir)
     if guard.weights_changed:  # an optimiser step of the unfinished step ran: the weights match no step
         log.error("interrupted while updating step %d: keeping the last checkpoint (%s)", step + 1, last_saved)
-    elif run.fsdp is not None:  # saving is collective: a process that failed alone would leave the others waiting
-        log.error("interrupted after step %d: FSDP run, no checkpoint on the way out (last: %s)", step, last_saved)
+    elif run.fsdp is not None and not getattr(error, "stopped_together", False):
+        log.error("interrupted after step %d: FSDP run stopped on one process only, no checkpoint on the way out "
+                  "(last: %s)", step, last_saved)  # fmt: skip
     elif step > run.start_step and (last_saved is None or not last_saved.name.endswith(f"{step:06d}")):
         log.error("interrupted after step %d: saving a checkpoint before exiting", step)
         save_checkpoint(run, step, completed)
+    if getattr(error, "stopped_together", False):
+        # no process exits before the checkpoint is written: the launcher stops the others when one exits
+        run.accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":

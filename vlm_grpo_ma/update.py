@@ -117,7 +117,8 @@ def update_policy(
             grad_norms.append(sharding.clip_grad_norm_(trainable, cfg.train.max_grad_norm))
         else:
             grad_norms.append(float(accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)))
-        survive.check_update_finite(stats["loss"], grad_norms[-1])
+        with survive.together(accelerator):  # the loss is this process's; the norm is every process's
+            survive.check_update_finite(stats["loss"], grad_norms[-1])
         if guard is not None:
             guard.weights_changed = True
         optimizer.step()
