@@ -175,8 +175,14 @@ def load_policy(
         size["longest_edge"] = max_pixels if max_pixels is not None else size["longest_edge"]
         processor.image_processor.size = size
     processor.tokenizer.padding_side = "left"
+    # use_kernels=False: with the `kernels` package installed (transformers >= 5.25 requires it), a model loaded
+    # with the default swaps layers for Hub kernels at its first .train() on CUDA, fetching them from the Hub
+    # (an offline GPU run stops there) and changing the numerics the trainer's one log-prob path is held to.
     model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=getattr(torch, dtype), attn_implementation=pick_attn_implementation(attn_implementation)
+        path,
+        dtype=getattr(torch, dtype),
+        attn_implementation=pick_attn_implementation(attn_implementation),
+        use_kernels=False,
     ).to(device)
     adapter = None
     if adapter_dir is not None:
