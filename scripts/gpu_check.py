@@ -332,9 +332,9 @@ def summarize_run(records: list[dict], log_text: str) -> dict:
         "answer_tokens": _mean([r.get("rollout/answer_tokens") for r in steady]),
         "logprob_mismatch_max": max(
             (
-                r["train/logprob_mismatch_max"]
+                r["rollout/logprob_gap_max"]
                 for r in records
-                if isinstance(r.get("train/logprob_mismatch_max"), (int, float))
+                if isinstance(r.get("rollout/logprob_gap_max"), (int, float))
             ),
             default=None,
         ),
