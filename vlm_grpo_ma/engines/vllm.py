@@ -12,11 +12,12 @@ encoder cache (image features of the old vision tower) and prefix cache (KV of t
 Facts this depends on (docs/VLLM.md): the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one
 process only); the prefix cache reuses full blocks only, and the CPU backend takes block sizes that are
 multiples of 32 (its default, 128, gives no hit on ~105-token prompts); per-request seeds crash the CPU build,
-so the engine is seeded once (``train.seed``) and a resumed run does not repeat the uninterrupted run's trees.
+so each stage runs under torch's global generator seeded from the step's seed (``_seeded``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Sequence
@@ -203,7 +204,8 @@ class VLLMEngine:
         def request(b: int, ids: list[int]) -> dict:
             return {"prompt_token_ids": ids, **({"multi_modal_data": {"image": images[b]}} if images[b] else {})}
 
-        stage1 = self.llm.generate([request(b, heads[b]) for b in range(len(prompts))], thought_params, use_tqdm=False)
+        with _seeded(settings):
+            stage1 = self.llm.generate([request(b, heads[b]) for b in range(len(prompts))], thought_params, use_tqdm=False)
         thought_ids, thought_logprobs, thought_forced, thought_truncated = [], [], [], []
         for b, output in enumerate(stage1):
             if list(output.prompt_token_ids) != list(prompts[b].input_ids):
@@ -222,9 +224,10 @@ class VLLMEngine:
                 thought_forced.append(forced)
                 thought_truncated.append(truncated)
         thought_prompt = [t // num_thoughts for t in range(len(thought_ids))]
-        stage2 = self.llm.generate(
-            [request(b, heads[b] + ids) for b, ids in zip(thought_prompt, thought_ids, strict=True)], answer_params, use_tqdm=False
-        )
+        with _seeded(settings):
+            stage2 = self.llm.generate(
+                [request(b, heads[b] + ids) for b, ids in zip(thought_prompt, thought_ids, strict=True)], answer_params, use_tqdm=False
+            )
         answer_ids, answer_logprobs, answer_truncated = [], [], []
         for output in stage2:
             for completion in output.outputs:
@@ -257,6 +260,20 @@ class VLLMEngine:
         step_hits, step_queries = hits - self._counted[0], queries - self._counted[1]
         self._counted = (hits, queries)
         return {"rollout/prefix_cache_hit_rate": step_hits / step_queries if step_queries else 0.0}
+
+
+@contextlib.contextmanager
+def _seeded(settings: SamplingSettings):
+    """The in-process engine samples from torch's global generator (per-request seeds crash the CPU build): seeded
+    here from the first prompt's generator, so a step's tree is a function of (train.seed, step, prompts), as
+    with the HF engine (a resumed run samples the same trees), and the global generator is restored after."""
+    if settings.generators is None:
+        yield
+        return
+    seed = int(torch.randint(2**62, (), generator=settings.generators[0]))
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
 
 
 def _ids_and_logprobs(completion) -> tuple[list[int], list[float]]:
