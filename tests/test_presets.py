@@ -364,3 +364,11 @@ def test_gpu_check_cpu_self_check_prints_every_section(tmp_path):
 
 def gpu_check_sections():
     return _gpu_check().SECTIONS
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if not n.startswith("tiny-")])
+def test_one_gpu_presets_sample_with_vllm(name):
+    """One-GPU presets sample with vLLM (the in-process engine: one process); the FSDP preset, launched on
+    several processes, with the HF engine."""
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.rollout.engine == ("hf" if "fsdp" in name else "vllm"), name
