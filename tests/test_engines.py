@@ -104,6 +104,7 @@ def _tree(engine, policy, samples, prompts, seed):
     return engine.sample_tree(policy, samples, prompts, num_thoughts=K, num_answers=M, settings=_settings(seed))
 
 
+@pytest.mark.vllm
 def test_vllm_tree_is_the_trainers_distribution(vllm_setup):
     """The engine's tree has the K x M structure, and its log-probs are the trainer's (update.score_rows' path,
     fp32) of the same tokens: the gap the run logs as rollout/logprob_gap_max."""
@@ -128,6 +129,7 @@ def test_vllm_tree_is_the_trainers_distribution(vllm_setup):
     assert hit_rate > 0.3  # stage 2 re-reads each prompt's blocks (0 with a block size the backend cannot share)
 
 
+@pytest.mark.vllm
 def test_sampling_after_a_push_equals_a_fresh_engine_with_those_weights(vllm_setup, tmp_path):
     """After push_weights the engine samples exactly what an engine started from the new weights samples (same
     seed): the weights arrived, and neither the encoder cache (image features of the old vision tower) nor the
