@@ -332,7 +332,7 @@ def test_gpu_check_budget_skips_a_section_that_does_not_fit(gpu_check, capsys):
     budget = gpu_check.Budget(100.0, {"T4A4": 120, "decode": 20})
     assert budget.allows("decode") and not budget.allows("T4A4")
     assert "skipped: the budget has" in capsys.readouterr().out
-    assert sum(gpu_check.H200_ESTIMATES.values()) <= 480  # the default budget holds every section's estimate
+    assert sum(gpu_check.H200_ESTIMATES.values()) <= gpu_check.build_arg_parser().get_default("budget_s")  # the default budget holds every section's estimate
 
 
 @pytest.mark.slow

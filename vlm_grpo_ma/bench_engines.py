@@ -31,7 +31,7 @@ def make_bench_engine(name: str, policy: Policy, seed: int):
 
     check_vllm(Config(), 1)
     engine = VLLMEngine(
-        policy.model.name_or_path, dtype="float32", seed=seed,
+        policy.model.name_or_path, dtype=str(policy.model.dtype).removeprefix("torch."), seed=seed,
         max_pixels=policy.processor.image_processor.size["longest_edge"],
     )  # fmt: skip
     engine.push_weights(policy)
@@ -127,3 +127,36 @@ def format_engines_table(rows: list[dict], engine_names: list[str]) -> str:
             line += f" | {a / b:>5.2f}x"
         lines.append(line)
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m vlm_grpo_ma.bench_engines MODEL_DIR``: the engines on one model folder (scripts/gpu_check.py's
+    'engines' section runs it on the random 3B model): bf16 on a GPU, fp32 on the CPU."""
+    from vlm_grpo_ma.bench import BenchTree, bench_samples
+    from vlm_grpo_ma.policy import encode_prompt, load_policy
+    from vlm_grpo_ma.registry import get_task
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--engine", default="hf,vllm")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--thought-tokens", type=int, default=40)
+    parser.add_argument("--answer-tokens", type=int, default=24)
+    parser.add_argument("--max-pixels", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    policy = load_policy(args.model_dir, dtype=dtype, max_pixels=args.max_pixels, min_pixels=args.max_pixels, device=args.device)
+    policy.model.eval()
+    samples = bench_samples(args.prompts)
+    prompts = [encode_prompt(policy, s, get_task("grounding").instruction) for s in samples]
+    names = [n.strip() for n in args.engine.split(",") if n.strip()]
+    tree = BenchTree(max_thought_tokens=args.thought_tokens, max_answer_tokens=args.answer_tokens, repeats=args.repeats)
+    row = {"model": Path(args.model_dir).name, "params": sum(p.numel() for p in policy.model.parameters())}
+    row["engines"] = bench_engines(policy, samples, prompts, names, tree)
+    print(format_engines_table([row], names), flush=True)
+
+
+if __name__ == "__main__":
+    main()
