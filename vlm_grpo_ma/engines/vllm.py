@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 from collections.abc import Sequence
 
@@ -125,6 +126,9 @@ class VLLMEngine:
             enable_sleep_mode=sleep,
         )
         self.sleep, self.max_images = sleep, max_images
+        # The CPU worker replaces torch.set_num_threads with a warning, which image processing then prints
+        # thousands of times a step; the thread count is the engine's either way.
+        logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.getMessage())
         self._counted = self._prefix_counters()
 
     @classmethod
