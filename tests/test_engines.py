@@ -13,7 +13,13 @@ from PIL import Image
 from vlm_grpo_ma.config import ConfigError, load_config
 from vlm_grpo_ma.engines import check_engine
 from vlm_grpo_ma.engines.vllm import REQUIRE_ENV, merged_state_dict, unexpanded_ids, vllm_installed
-from vlm_grpo_ma.policy import SamplingSettings, encode_prompt, load_policy, prompt_generators, sequence_logprobs
+from vlm_grpo_ma.policy import (
+    SamplingSettings,
+    encode_prompt,
+    load_policy,
+    prompt_generators,
+    sequence_logprobs,
+)
 from vlm_grpo_ma.registry import Sample
 
 K, M = 2, 2

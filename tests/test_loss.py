@@ -12,7 +12,13 @@ import math
 import pytest
 import torch
 
-from vlm_grpo_ma.loss import MAX_LOG_RATIO, clipped_surrogate, kl_k3, policy_loss, truncated_importance_weights
+from vlm_grpo_ma.loss import (
+    MAX_LOG_RATIO,
+    clipped_surrogate,
+    kl_k3,
+    policy_loss,
+    truncated_importance_weights,
+)
 
 F64 = torch.float64
 TOL = dict(atol=1e-12, rtol=1e-12)

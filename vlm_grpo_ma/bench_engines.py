@@ -26,8 +26,8 @@ def make_bench_engine(name: str, policy: Policy, seed: int):
         from vlm_grpo_ma.engines.hf import HFEngine
 
         return HFEngine()
-    from vlm_grpo_ma.engines.vllm import VLLMEngine, check_vllm
     from vlm_grpo_ma.config import Config
+    from vlm_grpo_ma.engines.vllm import VLLMEngine, check_vllm
 
     check_vllm(Config(), 1)
     engine = VLLMEngine(
