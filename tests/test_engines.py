@@ -158,3 +158,26 @@ def test_sampling_after_a_push_equals_a_fresh_engine_with_those_weights(vllm_set
     assert pushed.thought_ids == fresh.thought_ids and pushed.answer_ids == fresh.answer_ids
     for mine, theirs in zip(pushed.thought_logprobs + pushed.answer_logprobs, fresh.thought_logprobs + fresh.answer_logprobs, strict=True):
         assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+@pytest.mark.vllm
+def test_a_run_samples_with_vllm_and_pushes_every_update(tmp_path):
+    """Two steps of the embedded model (whose rewards differ, so its weights move) with rollout.engine=vllm:
+    every step's engine log-probs stay the trainer's (the weights of the previous update arrived) and the
+    prefix cache is hit."""
+    import json
+
+    from conftest import tiny_run_config
+
+    from vlm_grpo_ma import train as train_module
+
+    _needs_vllm()
+    cfg = tiny_run_config("tiny", tmp_path / "run", "rollout.engine=vllm", "rollout.max_thought_tokens=40",
+                          "rollout.max_answer_tokens=24", "train.prompts_per_step=4", "train.learning_rate=1e-2", steps=2)  # fmt: skip
+    train_module.train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["train/grad_norm"] > 0  # the first update changed the weights that step 2 samples with
+    for record in records:
+        assert record["rollout/logprob_gap_max"] < 1e-4, record["step"]
+        assert record["rollout/prefix_cache_hit_rate"] > 0.3, record["step"]
