@@ -53,6 +53,8 @@ def test_vllm_engine_refused_without_vllm_or_with_several_processes(monkeypatch)
     monkeypatch.setattr("vlm_grpo_ma.engines.vllm.vllm_installed", lambda: True)
     with pytest.raises(ConfigError, match=r"one process only .* has 2 processes"):
         check_engine(cfg, 2)
+    with pytest.raises(ConfigError, match=r"rollout.vllm_tensor_parallel_size=2: .* set it to 1"):
+        check_engine(load_config(None, ["rollout.engine=vllm", "rollout.vllm_tensor_parallel_size=2"]), 1)
     check_engine(load_config(None, []), 2)  # hf: any number of processes
 
 

@@ -50,6 +50,12 @@ def check_vllm(cfg: Config, num_processes: int) -> None:
             f"rollout.engine=vllm runs in one process only (the in-process engine); this launch has {num_processes}"
             " processes: use rollout.engine=hf with several processes"
         )
+    if cfg.rollout.vllm_tensor_parallel_size != 1:
+        raise ConfigError(
+            f"rollout.vllm_tensor_parallel_size={cfg.rollout.vllm_tensor_parallel_size}: the engine runs in the trainer's"
+            " process and gets the weights as tensors there, which one worker takes; several tensor-parallel workers"
+            " (separate processes) are not supported yet: set it to 1"
+        )
     if cfg.rollout.vllm_sleep and not torch.cuda.is_available():
         raise ConfigError("rollout.vllm_sleep=true needs a GPU (vLLM's sleep mode frees GPU memory); set it to false")
 
