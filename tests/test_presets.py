@@ -358,6 +358,10 @@ def test_gpu_check_cpu_self_check_prints_every_section(tmp_path):
     for run in ("T4A4", "T16A1"):
         assert re.search(rf"{run}\s+step [\d.]+ s, generated [\d,]+ tok/s, trained [\d,]+ tok/s", out), run
     assert re.search(r"forward, sdpa: ratio [\d.]+x, log-prob max difference", out)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:  # the engines section ran: both engines' trees timed
+        assert re.search(r"model\s+\d+\.\d+M \|\s+[\d.]+\s+\d+\s+-\s+\|\s+[\d.]+\s+\d+\s+[\d.]+ \|", out), out[-2000:]
     figures = json.loads((tmp_path / "s.json").read_text())
     assert figures["forward"]["sdpa"]["logprob_max_abs_diff"] <= 1e-4
 
