@@ -74,7 +74,7 @@ def test_merged_state_dict_folds_lora_in(untrained_tiny_dir):
     for name, parameter in policy.model.named_parameters():
         if "lora_B" in name:  # B starts at 0: give the adapters an effect
             parameter.data.normal_(0, 0.5)
-    state = merged_state_dict(policy)
+    state = {key: value.clone() for key, value in merged_state_dict(policy).items()}  # merging below is in place
     assert set(state) == plain_keys
     adapted = policy.adapter.merge_and_unload()
     for key, value in adapted.state_dict().items():
