@@ -278,6 +278,7 @@ def train_command(args, model_dir: Path, run_dir: Path, *, thoughts: int = 4, an
         "logging.report_to=[]",
         "logging.progress_bar=false",
         "logging.rollout_samples_per_step=1",
+        "rollout.engine=hf",  # the HF engine in every process (vLLM runs in one); section 'engines' compares the two
     ]  # fmt: skip
     return command + list(args.overrides)
 
@@ -332,9 +333,9 @@ def summarize_run(records: list[dict], log_text: str) -> dict:
         "answer_tokens": _mean([r.get("rollout/answer_tokens") for r in steady]),
         "logprob_mismatch_max": max(
             (
-                r["train/logprob_mismatch_max"]
+                r["rollout/logprob_gap_max"]
                 for r in records
-                if isinstance(r.get("train/logprob_mismatch_max"), (int, float))
+                if isinstance(r.get("rollout/logprob_gap_max"), (int, float))
             ),
             default=None,
         ),
@@ -374,6 +375,7 @@ H200_ESTIMATES = {
     "forward": 50,  # shared vs re-encoded training forward, sdpa and flash_attention_2, 2 prompts, 1 repeat
     "fsdp": 100,  # two processes, 2 steps (skipped with one GPU)
     "decode": 20,  # scripts/bench_decode_step.py
+    "engines": 90,  # vLLM start (~40 s with CUDA graphs) + 2 alternating rounds of each engine (skipped without vLLM)
 }
 SECTIONS = {
     "model": "random model",
@@ -382,6 +384,7 @@ SECTIONS = {
     "forward": "training forward: shared prefixes vs re-encoded rows",
     "fsdp": "2-GPU FSDP step",
     "decode": "decode-step benchmark (scripts/bench_decode_step.py)",
+    "engines": "rollout engines: vLLM vs HF (python -m vlm_grpo_ma.bench_engines)",
 }
 
 
@@ -399,7 +402,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts-per-step", type=int, help="default 8 (3b), 1 (tiny)")
     parser.add_argument("--max-thought-tokens", type=int, help="default 256 (3b), 8 (tiny)")
     parser.add_argument("--max-answer-tokens", type=int, help="default 32 (3b), 4 (tiny)")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget; a section whose estimate does not fit in what is left is skipped (default 480)")
+    parser.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget; a section whose estimate does not fit in what is left is skipped (default 560)")
     parser.add_argument("--work-dir", type=Path, help="where the model and the runs go, kept afterwards (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (model, runs, logs) afterwards")
     parser.add_argument("--summary-json", type=Path, help="also write the figures as JSON to this file")
@@ -569,6 +572,27 @@ def decode_section(args, work: Path, env: dict, budget: Budget) -> str:
     return text
 
 
+def engines_section(args, model_dir: Path, work: Path, env: dict, budget: Budget) -> str:
+    """The T4A4 rollout through each engine on the same prompts (vlm_grpo_ma/bench_engines.py), when vLLM is
+    installed (scripts/setup.sh --vllm)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("  skipped: vLLM is not installed (scripts/setup.sh --vllm)", flush=True)
+        return "skipped: no vLLM"
+    run = RUN_DEFAULTS[args.size]
+    pixels = SPECS[args.size]["image_pixels"]
+    command = [sys.executable, "-m", "vlm_grpo_ma.bench_engines", str(model_dir), "--device", args.device,
+               "--prompts", str(args.prompts_per_step or run["prompts_per_step"]),
+               "--thought-tokens", str(args.max_thought_tokens or run["max_thought_tokens"]),
+               "--answer-tokens", str(args.max_answer_tokens or run["max_answer_tokens"]),
+               *(["--max-pixels", str(pixels)] if pixels else [])]  # fmt: skip
+    returncode, text = run_streaming(command, env, work / "bench_engines.log", timeout=budget.left(), indent="  ")
+    if returncode != 0:
+        print(f"  bench_engines failed (exit code {returncode})", flush=True)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     if args.steps < 1:
@@ -634,7 +658,10 @@ def main(argv: list[str] | None = None) -> int:
         header(7, SECTIONS["decode"])
         if budget.allows("decode"):
             figures["decode"] = decode_section(args, work, env, budget)
-        header(8, "summary")
+        header(8, SECTIONS["engines"])
+        if budget.allows("engines"):
+            figures["engines"] = engines_section(args, model_dir, work, env, budget)
+        header(9, "summary")
         for key in ("T4A4", "T16A1"):
             r = figures.get(key)
             if isinstance(r, dict):

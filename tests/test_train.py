@@ -53,7 +53,7 @@ def test_run_writes_its_outputs(untrained_tiny_dir, tmp_path):
                 "signal/zero_prompt_groups", "signal/zero_thought_groups", "signal/zero_answer_groups",
                 "train/grad_norm_spike_ratio", "train/thought_weight_share", "train/thought_gradient_share"):
         assert key in records[0], key
-    assert records[0]["train/logprob_mismatch_max"] < 1e-4  # training re-scores exactly what was sampled
+    assert records[0]["rollout/logprob_gap_max"] < 1e-4  # training re-scores exactly what was sampled
     dumps = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert len(dumps[0]["thoughts"]) == 2 and len(dumps[0]["thoughts"][0]["answers"]) == 2
     assert [p.name for p in list_checkpoints(run)] == ["step-000002", "step-000004"]
@@ -340,7 +340,7 @@ def test_the_shared_prefix_forward_and_the_reencoding_one_train_alike(untrained_
     assert shared["train/nll"] > 0
     assert shared["train/nll"] == pytest.approx(reencode["train/nll"], rel=1e-5)
     assert shared["train/pg_loss"] == pytest.approx(reencode["train/pg_loss"], rel=1e-5, abs=1e-7)
-    assert shared["train/logprob_mismatch_max"] < 1e-4 and reencode["train/logprob_mismatch_max"] < 1e-4
+    assert shared["rollout/logprob_gap_max"] < 1e-4 and reencode["rollout/logprob_gap_max"] < 1e-4
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])

@@ -1,5 +1,6 @@
 """Benchmarks. ``python -m vlm_grpo_ma.bench rollout``: what branching answers from the thought's KV cache buys;
-``python -m vlm_grpo_ma.bench train``: the same for the training forward and backward (see ``bench_train``).
+``python -m vlm_grpo_ma.bench train``: the same for the training forward and backward (see ``bench_train``);
+``python -m vlm_grpo_ma.bench rollout --engine hf,vllm``: the rollout engines side by side (``bench_engines.py``).
 
 The K x M rollout is timed two ways, side by side in one process, repeats interleaved (a, b, a, b, ...):
 
@@ -94,6 +95,12 @@ def bench_prompts(policy: Policy, num_prompts: int, *, image_size: int | None = 
     """The first ``num_prompts`` samples of the embedded grounding test split, encoded; with ``image_size``
     each scene is resized (bicubic) to a square of that side first."""
     task = get_task("grounding")
+    return [encode_prompt(policy, s, task.instruction) for s in bench_samples(num_prompts, image_size=image_size)]
+
+
+def bench_samples(num_prompts: int, *, image_size: int | None = None) -> list:
+    """The samples ``bench_prompts`` encodes."""
+    task = get_task("grounding")
     samples = task.load("test")[:num_prompts]
     if len(samples) < num_prompts:
         raise ValueError(f"the grounding test split has {len(samples)} samples, fewer than {num_prompts}")
@@ -105,7 +112,7 @@ def bench_prompts(policy: Policy, num_prompts: int, *, image_size: int | None = 
             )
             for s in samples
         ]
-    return [encode_prompt(policy, s, task.instruction) for s in samples]
+    return samples
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -465,6 +472,10 @@ def _load() -> str:
 
 
 def rollout_main(args: argparse.Namespace) -> list[dict]:
+    if args.engine:
+        from vlm_grpo_ma.bench_engines import engines_main
+
+        return engines_main(args)
     names = _check_models(args)
     print(
         f"rollout benchmark: B={args.prompts} K={args.thoughts} M={args.answers} thought<={args.thought_tokens} "
@@ -600,6 +611,10 @@ def main(argv: list[str] | None = None) -> None:
         command.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
         command.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     train.add_argument("--micro-batch-rows", type=int, default=TrainConfig.micro_batch_rows)
+    rollout.add_argument(
+        "--engine", default=None,
+        help="compare rollout engines instead (comma-separated, from: hf, vllm): the trainer's K x M tree through each",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "rollout":
         rollout_main(args)

@@ -59,6 +59,13 @@ class RolloutConfig:
     answer_stop: str = "</answer>"
     reward_workers: int = 8  # worker processes scoring answers (each reward call runs in one)
     reward_timeout_s: float = 30.0  # deadline of one reward call; past it: killed, scored 0, count/reward_timeouts
+    # What samples the K x M tree (vlm_grpo_ma/engines): hf (the KV-branching decode loop of policy.py, the
+    # default) or vllm (an in-process vLLM engine: `scripts/setup.sh --vllm`; one process only; docs/VLLM.md).
+    engine: str = "hf"
+    vllm_gpu_memory_utilization: float = 0.35  # the share of GPU memory the engine takes (weights + KV cache)
+    vllm_kv_cache_gib: float = 1.0  # CPU build only: its KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)
+    vllm_tensor_parallel_size: int = 1
+    vllm_sleep: bool = False  # GPU only: free the engine's memory during the update (sleep level 1), wake after
 
 
 @dataclass
@@ -103,6 +110,10 @@ class AlgorithmConfig:
     overlong_buffer_thought_tokens: int = 0
     overlong_buffer_answer_tokens: int = 0
     overlong_penalty: float = 1.0
+    # Correcting for the sampling engine's log-probs differing from the trainer's (bf16 engines): none, or tis
+    # (truncated importance sampling: each token's loss times min(exp(old - engine), rollout_correction_cap)).
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0
 
 
 @dataclass
@@ -190,6 +201,8 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "rollout.truncated_thoughts": ("close", "zero"),
+    "rollout.engine": ("hf", "vllm"),
+    "algorithm.rollout_correction": ("none", "tis"),
     "algorithm.advantage_estimator": tuple(ADVANTAGE_ESTIMATORS),
     "algorithm.answer_baseline": ("prompt", "thought"),
     "algorithm.loss_aggregation": tuple(LOSS_AGGREGATIONS),
@@ -206,6 +219,10 @@ POSITIVE = (
     "rollout.temperature",
     "rollout.reward_workers",
     "rollout.reward_timeout_s",
+    "rollout.vllm_gpu_memory_utilization",
+    "rollout.vllm_kv_cache_gib",
+    "rollout.vllm_tensor_parallel_size",
+    "algorithm.rollout_correction_cap",
     "algorithm.num_iterations",
     "train.steps",
     "train.prompts_per_step",
@@ -317,6 +334,18 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"algorithm.clip_low={cfg.algorithm.clip_low!r} must be in [0, 1] (the ratio's lower bound is 1 - clip_low;"
             " 1 leaves it open)"
+        )
+    if cfg.rollout.engine == "vllm" and cfg.rollout.temperature > 2:
+        raise ConfigError(
+            f"rollout.temperature={cfg.rollout.temperature!r}: rollout.engine=vllm samples at temperatures up to 2"
+            " only (vLLM refuses higher ones); lower it or use rollout.engine=hf"
+        )
+    if not cfg.rollout.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.vllm_gpu_memory_utilization={cfg.rollout.vllm_gpu_memory_utilization!r} must be in (0, 1]")
+    if not cfg.algorithm.rollout_correction_cap >= 1:
+        raise ConfigError(
+            f"algorithm.rollout_correction_cap={cfg.algorithm.rollout_correction_cap!r} must be >= 1 (the largest"
+            " importance weight a token's loss gets; below 1 every token would be scaled down)"
         )
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")

@@ -197,6 +197,21 @@ def ppo_surrogate(
 
 # Chosen by ``algorithm.policy_loss``. Each maps (logprobs, old_logprobs, advantages, segments) [N, T] and the clip
 # range to (per-token loss [N, T], clipped [N, T] bool). verl calls ``ppo`` "vanilla".
+def truncated_importance_weights(
+    old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, *, cap: float, max_log_ratio: float = MAX_LOG_RATIO
+) -> torch.Tensor:
+    """Truncated importance sampling (TIS, as verl's rollout correction): ``min(exp(old - engine), cap)`` per
+    token, no gradient. ``old_logprobs`` are the trainer's log-probs of the sampling policy
+    (``update.score_rows``), ``engine_logprobs`` those the sampling engine reported for the same tokens; where
+    they agree the weight is 1. The tokens were drawn from the engine's distribution, the loss assumes the
+    trainer's: the weight re-weights each token towards the trainer's, capped so that a token the engine found
+    far less likely cannot dominate. Shapes: [N, T], [N, T] -> [N, T]."""
+    if not cap >= 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    log_ratio = (old_logprobs.detach() - engine_logprobs.detach()).clamp(-max_log_ratio, max_log_ratio)  # [N, T]
+    return log_ratio.exp().clamp(max=cap)  # [N, T]
+
+
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "ppo": ppo_surrogate,
     "gspo": gspo_surrogate,
@@ -217,6 +232,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     surrogate: str = "ppo",
     segments: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
     max_log_ratio: float = MAX_LOG_RATIO,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One micro-batch's share of the step loss, and summable statistics.
@@ -237,6 +253,8 @@ def policy_loss(
       Under data parallelism that averages gradients over W ranks, pass the value divided by W.
     - ``kl_coef`` > 0 needs ``ref_logprobs``; the k3 term is added per token before weighting. When
       ``ref_logprobs`` is given, ``kl_sum`` is reported even with ``kl_coef=0`` (monitoring only).
+    - ``importance_weights`` [N, T] (no gradient; ``truncated_importance_weights``): multiply each token's
+      surrogate (not its KL term), correcting for a sampling engine whose log-probs differ from the trainer's.
 
     Returns ``(loss, stats)``; ``stats`` holds detached weighted sums (not means) so the caller can add them
     over micro-batches (and ranks) and divide once by ``weight_sum``:
@@ -289,6 +307,13 @@ def policy_loss(
         clip_high=clip_high,
         max_log_ratio=max_log_ratio,
     )  # [N, T], [N, T]
+    if importance_weights is not None:
+        if importance_weights.shape != token_weights.shape:
+            raise ValueError(
+                f"importance_weights has shape {tuple(importance_weights.shape)} but token_weights has"
+                f" {tuple(token_weights.shape)}; all per-token inputs must be [N, T]"
+            )
+        per_token = per_token * neutralise(importance_weights.detach())
     kl = None
     if ref_logprobs is not None:
         kl = kl_k3(logprobs, neutralise(ref_logprobs), max_log_ratio=max_log_ratio)  # [N, T]

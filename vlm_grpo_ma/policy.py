@@ -454,7 +454,7 @@ def _step(policy: Policy, state: _DecodeState, tokens: torch.Tensor, real: torch
         input_ids=tokens[:, None].to(device),
         attention_mask=state.attention_mask,
         position_ids=positions,
-        cache=state.cache,
+        **_cache_argument(policy.model, state.cache),
         use_cache=True,
     )
     state.next_position = state.next_position + real.long().to(device)
@@ -541,6 +541,25 @@ def _repeat_rows(state: _DecodeState, repeats: int) -> None:
     state.logits = state.logits.repeat_interleave(repeats, dim=0)
 
 
+@functools.cache
+def _cache_parameter(model_class: type) -> str:
+    """The name under which ``model_class.forward`` takes the KV cache: ``cache`` (transformers 5.20 on) or
+    ``past_key_values`` (earlier). A wrong name is swallowed by ``**kwargs`` without an error: the model then
+    decodes every token without the cache, and sampling produces garbage."""
+    import inspect
+
+    parameters = inspect.signature(model_class.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise TypeError(f"{model_class.__name__}.forward takes neither cache= nor past_key_values=; unsupported transformers version")
+
+
+def _cache_argument(model: torch.nn.Module, cache) -> dict:
+    """``{name: cache}`` for ``model``'s forward (see ``_cache_parameter``)."""
+    return {_cache_parameter(type(model)): cache}
+
+
 def _sampling_cache(policy: Policy, capacity: int | None):
     """A KV cache for decoding: with ``capacity`` (the longest sequence the rollout can reach) every layer
     writes into a buffer allocated once (``_preallocated_layer_class``) instead of growing by ``torch.cat`` at every
@@ -615,7 +634,7 @@ def prefill(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        cache=_sampling_cache(policy, capacity),
+        **_cache_argument(policy.model, _sampling_cache(policy, capacity)),
         use_cache=True,
         logits_to_keep=1,
         **vision_inputs,
@@ -774,7 +793,8 @@ def _continue_block(policy: Policy, cache, mask: torch.Tensor, next_position: to
     # text after the image: the three mRoPE components are equal
     positions = (next_position[:, None] + torch.arange(ids.shape[1], device=device)[None, :])[None].expand(3, -1, -1)
     hidden = policy.model.model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        **_cache_argument(policy.model.model, cache),
     ).last_hidden_state
     return hidden, mask
 
@@ -819,8 +839,8 @@ def shared_prefix_logprobs(
     positions = _rope_positions(policy, ids, mask, grid)
     cache = DynamicCache(config=policy.model.config)
     prompt_hidden = policy.model.model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-        **_vision_inputs(vision),
+        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        **_cache_argument(policy.model.model, cache), **_vision_inputs(vision),
     ).last_hidden_state  # fmt: skip
     prompt_last = prompt_hidden[torch.arange(len(used), device=device), mask.sum(1) - 1]  # [U, H]
     next_position = positions.masked_fill(mask[None] == 0, -1).amax(dim=(0, 2)) + 1  # [U]

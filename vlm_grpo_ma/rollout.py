@@ -78,7 +78,21 @@ def generate_rollout(
     num_answers: int,
     settings: SamplingSettings,
 ) -> Rollout:
+    """The HF engine's rollout: ``policy.sample_tree`` (KV-branching decode loop) as a Rollout."""
     tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=settings)
+    return rollout_from_tree(policy, samples, prompts, tree, num_thoughts=num_thoughts, num_answers=num_answers)
+
+
+def rollout_from_tree(
+    policy: Policy,
+    samples: Sequence[Sample],
+    prompts: Sequence[EncodedPrompt],
+    tree: TreeSample,
+    *,
+    num_thoughts: int,
+    num_answers: int,
+) -> Rollout:
+    """A Rollout of a sampled tree, whichever engine sampled it: the token ids decoded into completions."""
     decode = policy.tokenizer.decode
     thought_texts = [decode(ids, skip_special_tokens=False) for ids in tree.thought_ids]
     special = set(policy.eos_token_ids) | {policy.pad_token_id}

@@ -23,6 +23,7 @@ from vlm_grpo_ma.config import Config, ConfigError, save_config
 from vlm_grpo_ma.data import PromptStream, TaskMixture
 from vlm_grpo_ma.diagnostics import GradSpikeMonitor
 from vlm_grpo_ma.distributed import make_accelerator
+from vlm_grpo_ma.engines import check_engine, make_engine
 from vlm_grpo_ma.held_out import load_eval_sets
 from vlm_grpo_ma.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.policy import CompletionScorer, Policy, count_parameters, load_policy
@@ -57,6 +58,7 @@ class RunState:
     spikes: GradSpikeMonitor
     start_step: int
     prompts_per_process: int
+    engine: object  # samples the rollouts (vlm_grpo_ma/engines: rollout.engine); holds the policy's weights
 
     def completed_state(self) -> dict:
         """The part of a checkpoint that records the steps done: data position, counters, spike history."""
@@ -71,6 +73,7 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
         torch.set_num_threads(cfg.train.num_threads)
     accelerator = make_accelerator(cfg)
     num_processes = accelerator.num_processes
+    check_engine(cfg, num_processes)  # vllm missing or with several processes: stop before anything loads
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -97,6 +100,7 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     else:
         optimizer = accelerator.prepare(optimizer)
     reference = make_reference(policy, scorer, cfg, accelerator.device, fsdp)
+    engine = make_engine(cfg, policy)  # after a resume's weights are loaded: the engine gets those
     spikes = GradSpikeMonitor()
     if history_state is not None:
         if history_state["optimizer"] == sharding.SHARDED_OPTIMIZER:
@@ -148,7 +152,7 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
         policy=policy, scorer=scorer, optimizer=optimizer, scheduler=scheduler, reference=reference, fsdp=fsdp,
         logger=logger, counters=counters, spikes=spikes, start_step=start_step,
-        prompts_per_process=cfg.train.prompts_per_step // num_processes,
+        prompts_per_process=cfg.train.prompts_per_step // num_processes, engine=engine,
     )  # fmt: skip
 
 

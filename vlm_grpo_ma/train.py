@@ -31,7 +31,7 @@ from vlm_grpo_ma.policy import (
 )
 from vlm_grpo_ma.registry import get_task
 from vlm_grpo_ma.rewards import ScoredRollout, add_overlong_penalty, score_rollout
-from vlm_grpo_ma.rollout import Rollout, generate_rollout
+from vlm_grpo_ma.rollout import Rollout
 from vlm_grpo_ma.run_dir import write_summary
 from vlm_grpo_ma.run_setup import RunState, setup_run
 from vlm_grpo_ma.step_metrics import headline_metrics, rollout_metrics, rollout_records, timing_metrics
@@ -71,6 +71,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             update = update_policy(scorer, batch, prompts, cfg, accelerator, run.optimizer, run.reference, guard)
             with survive.together(accelerator):  # FSDP: each process checks its shards
                 survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
+            run.engine.push_weights(policy)  # the next rollout samples from the updated policy
             run.scheduler.step()
             # The grad norm joins the spike history before the step's state is taken: a checkpoint of this
             # step must hold it, or a resumed run's next ratios are computed over a window one step short.
@@ -124,9 +125,9 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
         run.policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
         # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
         with sharding.gathered(run.scorer), run.accelerator.autocast(), survive.together(run.accelerator):
-            rollout = generate_rollout(run.policy, samples[first : first + share], prompts[first : first + share],
-                                       num_thoughts=cfg.rollout.num_thoughts, num_answers=cfg.rollout.num_answers,
-                                       settings=settings)  # fmt: skip
+            rollout = run.engine.sample(run.policy, samples[first : first + share], prompts[first : first + share],
+                                        num_thoughts=cfg.rollout.num_thoughts, num_answers=cfg.rollout.num_answers,
+                                        settings=settings)  # fmt: skip
         sampling_seconds += time.perf_counter() - started
         with survive.together(run.accelerator):
             scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
@@ -205,6 +206,7 @@ def step_metrics(
         metrics["signal/resampled_prompts"] = step_counts["resampled_prompts"]
         metrics["signal/uninformative_groups_trained"] = step_counts["uninformative_groups_trained"]
     metrics.update(update)
+    metrics.update(run.engine.step_metrics())  # vllm: rollout/prefix_cache_hit_rate
     metrics.update(sharding.state_bytes(run.policy.model, run.optimizer, run.accelerator.process_index, getattr(run.reference, "module", None)))
     metrics.update(timing_metrics(rollout, batch, *seconds))
     metrics.update(
