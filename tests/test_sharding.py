@@ -123,8 +123,8 @@ def test_lora_under_fsdp_trains_what_one_process_trains(untrained_tiny_dir, tmp_
     """Two FSDP processes and one process, AdamW, LoRA: the saved adapters agree, and the adapter folder loads.
     The checkpoint gathers the adapter's weights only (as many elements as the one-process adapter file holds),
     not the base model; the two-process run resumed from its step-2 checkpoint ends at step 3 where one
-    process ends. Planted and seen to fail: the whole PeftModel state dict gathered (1,167,808 elements, not
-    7,168)."""
+    process ends. Planted and seen to fail: the whole PeftModel state dict gathered (1,199,552 elements, not
+    38,912)."""
     import re
 
     from safetensors.torch import load_file
