@@ -39,3 +39,30 @@ def test_half_written_checkpoints_are_never_picked(tmp_path):
     assert list_checkpoints(tmp_path) == [done]
     assert latest_checkpoint(tmp_path) == done
     assert latest_checkpoint(tmp_path / "elsewhere") is None
+
+
+def test_resume_restores_only_the_cuda_rng_states_of_visible_gpus(monkeypatch):
+    """A checkpoint written with 4 GPUs visible resumes on 2: states 0 and 1 are restored, 2 and 3 are not
+    asked for (torch.cuda.set_rng_state_all would raise an invalid device error for them)."""
+    import random
+
+    import torch
+
+    from vlm_grpo_ma import checkpoint
+
+    assert checkpoint.cuda_states_to_restore(["s0", "s1", "s2", "s3"], 2) == [(0, "s0"), (1, "s1")]
+    assert checkpoint.cuda_states_to_restore(["s0"], 8) == [(0, "s0")]  # more GPUs now: the rest keep their seed
+    restored = []
+
+    def set_state(state, device="cuda"):
+        if device >= 2:
+            raise RuntimeError(f"invalid device ordinal {device}")
+        restored.append((device, int(state[0])))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_state)  # what set_rng_state_all calls
+    saved = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": [torch.tensor([d]) for d in range(4)]}
+    checkpoint.set_rng_state(saved)
+    assert restored == [(0, 0), (1, 1)]

@@ -120,28 +120,43 @@ def _tiny_parameters(model_dir):
 
 @pytest.mark.slow
 def test_lora_under_fsdp_trains_what_one_process_trains(untrained_tiny_dir, tmp_path):
-    """Two FSDP processes and one process, AdamW, LoRA: the saved adapters agree, and the adapter folder loads."""
+    """Two FSDP processes and one process, AdamW, LoRA: the saved adapters agree, and the adapter folder loads.
+    The checkpoint gathers the adapter's weights only (as many elements as the one-process adapter file holds),
+    not the base model; the two-process run resumed from its step-2 checkpoint ends at step 3 where one
+    process ends. Planted and seen to fail: the whole PeftModel state dict gathered (1,199,552 elements, not
+    38,912)."""
+    import re
+
     from safetensors.torch import load_file
 
     from vlm_grpo_ma.policy import load_policy
 
     overrides = [
-        f"model.name_or_path={untrained_tiny_dir}", "model.lora_rank=4", "train.steps=2", "train.learning_rate=0.01",
+        f"model.name_or_path={untrained_tiny_dir}", "model.lora_rank=4", "train.learning_rate=0.01",
         "train.prompts_per_step=4", "train.micro_batch_rows=4", "train.num_threads=1", "rollout.num_thoughts=2",
         "rollout.num_answers=2", "rollout.max_thought_tokens=8", "rollout.max_answer_tokens=6", "train.eval_every=0",
         "logging.progress_bar=false", "logging.report_to=[]", "train.max_grad_norm=1e6", "data.task=answer_length",
-        f"data.task_modules=[{ROOT / 'tests' / 'fixtures' / 'answer_length_task.py'}]",
+        f"data.task_modules=[{ROOT / 'tests' / 'fixtures' / 'answer_length_task.py'}]", "train.checkpoint_every=2",
     ]  # fmt: skip
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/cpu-2proc-fsdp.yaml")]
-    for name, prefix in (("one", [sys.executable]), ("two", launcher)):
+    logs = {}
+    for name, prefix, steps, resume in (("one", [sys.executable], 3, []), ("two", launcher, 2, []), ("two", launcher, 3, ["--resume"])):
         done = subprocess.run(
-            [*prefix, "-m", "vlm_grpo_ma.train", "--output-dir", str(tmp_path / name), *overrides],
+            [*prefix, "-m", "vlm_grpo_ma.train", "--output-dir", str(tmp_path / name), *overrides, f"train.steps={steps}", *resume],
             capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV,
-        )
+        )  # fmt: skip
         assert done.returncode == 0, done.stderr[-4000:]
-    adapters = [load_file(tmp_path / name / "checkpoints" / "step-000002" / "model" / "adapter_model.safetensors") for name in ("one", "two")]
-    assert sorted(adapters[0]) == sorted(adapters[1])
-    moved = max(float(adapters[0][k].abs().max()) for k in adapters[0] if "lora_B" in k)  # B starts at 0
-    assert moved > 1e-3
-    assert max(float((adapters[0][k] - adapters[1][k]).abs().max()) for k in adapters[0]) <= 1e-5
+        logs[name, steps] = done.stderr
+
+    def adapter(name, step):
+        return load_file(tmp_path / name / "checkpoints" / f"step-{step:06d}" / "model" / "adapter_model.safetensors")
+
+    for step in (2, 3):  # straight, and resumed from step 2
+        adapters = [adapter("one", step), adapter("two", step)]
+        assert sorted(adapters[0]) == sorted(adapters[1])
+        moved = max(float(adapters[0][k].abs().max()) for k in adapters[0] if "lora_B" in k)  # B starts at 0
+        assert moved > 1e-3
+        assert max(float((adapters[0][k] - adapters[1][k]).abs().max()) for k in adapters[0]) <= 1e-5
+    gathered = [int(n) for n in re.findall(r"checkpoint 2: gathered (\d+) weight elements", logs["two", 2])]
+    assert gathered == [sum(t.numel() for t in adapter("one", 2).values())]  # once, on rank 0: the adapter only
     assert load_policy(str(tmp_path / "two" / "checkpoints" / "step-000002" / "model")).adapter is not None

@@ -408,7 +408,7 @@ def test_sgd_steps_by_learning_rate_times_gradient(untrained_tiny_dir, tmp_path,
 def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the_config(untrained_tiny_dir, tmp_path, monkeypatch):
     """One step with every kind of log-prob: old ones (num_iterations=2), trained ones, and the KL reference's
     (LoRA: adapters off). Each forward of a scorer (policy.CompletionScorer.forward) is a call of update.score_rows:
-    3 micro-batches x (1 old + 2 trained + 2 reference). The advantages come from the configured estimator.
+    3 micro-batches x (1 old + 2 trained + 1 reference: the reference is scored once per step). The advantages come from the configured estimator.
     Planted and seen to fail: the reference scored by calling the scorer directly, and train() calling
     compute_advantages with "grpo_ma" whatever the config says."""
     from vlm_grpo_ma import policy as policy_module
@@ -435,5 +435,41 @@ def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the
     monkeypatch.setattr(train_module, "compute_advantages", recorded_advantages)
     train_module.train(_cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "model.lora_rank=2", "algorithm.kl_coef=0.05",
                             "algorithm.num_iterations=2", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"))
-    assert calls["forward"] == calls["score_rows"] == 3 * (1 + 2 + 2)
+    assert calls["forward"] == calls["score_rows"] == 3 * (1 + 2 + 1)
     assert calls["estimators"] == ["grpo"]
+
+
+def test_the_kl_reference_is_scored_once_per_step_and_is_what_every_iteration_would_score(untrained_tiny_dir, tmp_path, monkeypatch):
+    """algorithm.num_iterations=3 with KL (LoRA: the reference is the base, adapters off): the reference is
+    called once per micro-batch, not once per iteration, and scoring it again after the three optimiser steps
+    gives exactly the log-probs the update used (so recomputing it per iteration, as before, gave the same loss
+    and gradients), while the trained policy did move. Planted and seen to fail: the reference called inside
+    the iteration loop (9 calls, not 3), and the LoRA reference scored with the adapters on (it moves)."""
+    from vlm_grpo_ma import update
+
+    seen = {"calls": []}
+    real_make_reference = run_setup.make_reference
+
+    def spied_make_reference(policy, scorer, *args, **kwargs):
+        reference = real_make_reference(policy, scorer, *args, **kwargs)
+        seen["reference"], seen["scorer"] = reference, scorer
+
+        def counted(micro, prompts, accelerator, temperature):
+            logprobs = reference(micro, prompts, accelerator, temperature)
+            seen["calls"].append(((micro, prompts, accelerator, temperature), logprobs.clone()))
+            return logprobs
+
+        return counted
+
+    monkeypatch.setattr(run_setup, "make_reference", spied_make_reference)
+    train_module.train(_cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "model.lora_rank=2", "algorithm.kl_coef=0.05",
+                            "algorithm.num_iterations=3", "train.checkpoint_every=100",
+                            "data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]", "train.learning_rate=1e-2"))
+    assert len(seen["calls"]) == 3  # 3 micro-batches, once each
+    moved = 0
+    with torch.no_grad():
+        for args, used in seen["calls"]:
+            torch.testing.assert_close(seen["reference"](*args), used, rtol=0, atol=0)
+            trained = update.score_rows(seen["scorer"], *args)
+            moved += int((trained - used).abs().max() > 1e-6)
+    assert moved > 0  # the policy the iterations trained is not the reference

@@ -45,10 +45,21 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore the RNG states of ``rng_state``. The saved CUDA list holds one state per GPU visible when the
+    checkpoint was written; a resume may see fewer (or more) GPUs, so only the states of devices that exist now
+    are restored (``cuda_states_to_restore``). Sampling draws from its own seeded generators, so this restores
+    only what else may draw (dropout, if a model has it)."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        for device, cuda_state in cuda_states_to_restore(state["cuda"], torch.cuda.device_count()):
+            torch.cuda.set_rng_state(cuda_state, device)
+
+
+def cuda_states_to_restore(saved: list, visible_devices: int) -> list[tuple[int, torch.Tensor]]:
+    """``(device index, state)`` for the saved CUDA RNG states whose device is visible now: the first
+    ``min(len(saved), visible_devices)``. A device with no saved state keeps its own seed."""
+    return list(enumerate(saved[:visible_devices]))
 
 
 def save_checkpoint(run_dir: Path, step: int, *, write_model, training_state: dict, keep: int, write_extra=None) -> Path:

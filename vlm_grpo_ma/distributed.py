@@ -15,8 +15,6 @@ def make_accelerator(cfg: Config):
     trainer cannot run and a step that does not split into whole prompt groups per process."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedDataParallelKwargs
-
     # train() may run several times in one process (a notebook, a sweep) with another mixed precision:
     # accelerate keeps it in a process-wide singleton, so forget that (not the process group, PartialState).
     AcceleratorState._reset_state(reset_partial_state=False)
@@ -25,9 +23,7 @@ def make_accelerator(cfg: Config):
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),
             mixed_precision=cfg.train.mixed_precision,
-            # a process whose prompts of a step have no image leaves the vision tower unused: DDP must then
-            # look for unused parameters (a graph walk every backward), but only if the tower trains
-            kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=cfg.model.lora_rank == 0 and not cfg.model.freeze_vision)],
+            kwargs_handlers=[ddp_settings()],
         )
     if accelerator.distributed_type.value == "DEEPSPEED":
         raise ConfigError(
@@ -41,6 +37,18 @@ def make_accelerator(cfg: Config):
             "(whole K x M groups)"
         )
     return accelerator
+
+
+def ddp_settings():
+    """How DDP wraps the scorer. Every trained parameter gets a gradient in every backward: frozen modules
+    (the base under LoRA, a frozen vision tower) have requires_grad False, which DDP leaves out, and no module is
+    skipped (a micro-batch without images runs the vision tower on a blank image, ``policy.idle_vision_term``).
+    So DDP need not search the graph for unused parameters after every backward (``find_unused_parameters``
+    off; a skipped trained parameter would make DDP raise at the next step, not train wrongly), and the
+    gradients live in DDP's communication buckets (``gradient_as_bucket_view``) instead of a second copy."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return DistributedDataParallelKwargs(find_unused_parameters=False, gradient_as_bucket_view=True)
 
 
 def sum_over_processes(accelerator, counts: Counter) -> Counter:

@@ -173,6 +173,16 @@ def adapters_disabled(policy_or_adapter) -> Iterator[None]:
         yield
 
 
+def adapter_state_names(adapter, state: dict) -> set[str]:
+    """The names in ``state`` (``adapter.state_dict()``'s, possibly sharded) that ``adapter.save_pretrained``
+    writes, chosen by peft's own rule (``get_peft_model_state_dict``, which only selects and renames: it is
+    handed each name as its own value, so no tensor is read)."""
+    from peft import get_peft_model_state_dict
+
+    chosen = get_peft_model_state_dict(adapter, state_dict={name: name for name in state}, save_embedding_layers=False)
+    return set(chosen.values())
+
+
 def save_model(policy, folder: str | Path) -> Path:
     """Write ``policy``'s weights to ``folder``: only the adapter (``adapter_config.json`` + adapter weights,
     naming the base model) when LoRA is on, else the full model. The processor is the caller's to save."""

@@ -31,6 +31,7 @@ resume with another number of processes reshards it).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -40,10 +41,12 @@ from pathlib import Path
 import torch
 
 from vlm_grpo_ma import checkpoint as ckpt
+from vlm_grpo_ma import lora
 from vlm_grpo_ma.config import ConfigError
 
 SHARDED_OPTIMIZER = "sharded: optimizer/"  # the training state's "optimizer" entry of an FSDP checkpoint
 OPTIMIZER_FOLDER = "optimizer"
+log = logging.getLogger("vlm_grpo_ma.sharding")
 
 
 @dataclass(frozen=True)
@@ -256,17 +259,29 @@ def state_bytes(model: torch.nn.Module, optimizer, rank: int, reference: torch.n
     return held
 
 
-def full_state_dict(module: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every shard gathered (collective: every process calls it); the full
-    tensors are kept (on the CPU) only where ``keep``, the others get an empty dict."""
+def full_state_dict(state: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
+    """``state`` (a module's state dict, or part of it) with every shard gathered (collective: every process
+    calls it, with the same names); the full tensors are kept (on the CPU) only where ``keep``, the others get
+    an empty dict."""
     from torch.distributed.tensor import DTensor
 
     full = {}
-    for name, value in module.state_dict().items():
+    for name, value in state.items():
         value = value.full_tensor() if isinstance(value, DTensor) else value
         if keep:
             full[name] = value.detach().cpu().clone()
     return full
+
+
+def model_folder_state(policy) -> dict[str, torch.Tensor]:
+    """The (sharded) tensors a checkpoint's model folder holds: the whole model's state dict, or with LoRA only
+    the adapter's weights (``lora.adapter_state_names``): the frozen base is never gathered, so a checkpoint
+    moves the adapter's few MB to rank 0, not the base model (~33 GB for a 7B model in fp32)."""
+    if policy.adapter is None:
+        return policy.model.state_dict()
+    state = policy.adapter.state_dict()
+    names = lora.adapter_state_names(policy.adapter, state)
+    return {name: value for name, value in state.items() if name in names}
 
 
 def write_model(policy, folder: Path, state_dict: dict[str, torch.Tensor]) -> None:
@@ -291,7 +306,9 @@ def save_checkpoint(
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     optimizer = getattr(optimizer, "optimizer", optimizer)
-    weights = full_state_dict(policy.adapter if policy.adapter is not None else policy.model, keep=is_main)
+    weights = full_state_dict(model_folder_state(policy), keep=is_main)
+    if is_main:  # the others keep nothing
+        log.info("checkpoint %d: gathered %d weight elements for the model folder", step, sum(w.numel() for w in weights.values()))
     staging = ckpt.checkpoint_dir(run_dir, step).with_name(f"step-{step:06d}.optimizer.tmp")
     if is_main:
         shutil.rmtree(staging, ignore_errors=True)

@@ -7,6 +7,8 @@ the update is ``update.update_policy``. Helpers are called, not inherited.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -120,8 +122,7 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
     for draw in range(1 + (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 0)):
         started = time.perf_counter()
         # Each block between collectives runs in survive.together: an error on one process stops every process.
-        with survive.together(run.accelerator):
-            samples, prompts, settings = step_prompts(run, step, draw)  # the whole draw; settings for this share
+        samples, prompts, settings = step_prompts(run, step, draw)  # the whole draw, this share encoded
         run.policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
         # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
         with sharding.gathered(run.scorer), run.accelerator.autocast(), survive.together(run.accelerator):
@@ -146,38 +147,103 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
         if sum(group.informative for group in groups) >= cfg.train.prompts_per_step:
             break
     rollout, scored = keep_groups(groups, cfg.train.prompts_per_step, first, share, counts)
-    return rollout.prompts, rollout, scored, sampling_seconds
+    with survive.together(run.accelerator):  # a group sampled by another process: its prompt is encoded here
+        prompts = [p if p is not None else encode_sample(run.policy, s) for p, s in zip(rollout.prompts, rollout.samples, strict=True)]
+    return prompts, dataclasses.replace(rollout, prompts=prompts), scored, sampling_seconds
 
 
-def step_prompts(run: RunState, step: int, draw: int = 0) -> tuple[list, list[EncodedPrompt], SamplingSettings]:
-    """The prompts of step ``step``'s ``draw``-th draw (dynamic sampling draws again), all of them: every process
-    draws the whole step (same stream, same skips), and samples its own share, prompts ``process_index * share``
-    onwards, with the returned settings."""
-    cfg, share = run.cfg, run.prompts_per_process
-    instruction_of = lambda name: get_task(name).instruction  # noqa: E731
-    samples, prompts = draw_prompts(run.policy, run.stream, cfg.train.prompts_per_step, instruction_of, run.counters)
-    first_prompt = run.accelerator.process_index * share
+def step_prompts(run: RunState, step: int, draw: int = 0) -> tuple[list, list[EncodedPrompt | None], SamplingSettings]:
+    """The samples of step ``step``'s ``draw``-th draw (dynamic sampling draws again), all of them, and their
+    encoded prompts, of which this process encodes only its share (prompts ``process_index * share`` onwards;
+    the others are None), with its sampling settings. Every process draws the same samples (same stream, same
+    skips: ``draw_prompts``)."""
+    cfg, share, accelerator = run.cfg, run.prompts_per_process, run.accelerator
+    samples, prompts = draw_prompts(
+        run.stream, cfg.train.prompts_per_step, lambda sample: encode_sample(run.policy, sample), run.counters,
+        process_index=accelerator.process_index, num_processes=accelerator.num_processes, exchange=exchange_with(accelerator),
+    )  # fmt: skip
+    first_prompt = accelerator.process_index * share
     return samples, prompts, sampling_settings(cfg, step, draw * cfg.train.prompts_per_step + first_prompt, share)
 
 
+def encode_sample(policy: Policy, sample) -> EncodedPrompt:
+    """``sample``'s prompt under its task's instruction (ImageLoadError for an image that does not load)."""
+    return encode_prompt(policy, sample, get_task(sample.task).instruction)
+
+
+def exchange_with(accelerator):
+    """``exchange(work)`` for ``draw_prompts``: runs this process's ``work()`` (every process stops if one
+    raises in it, ``survive.together``) and returns every process's result, in process order."""
+
+    def exchange(work):
+        with survive.together(accelerator):
+            result = work()
+        if accelerator.num_processes == 1:
+            return [result]
+        from accelerate.utils import gather_object
+
+        return gather_object([result])
+
+    return exchange
+
+
 def draw_prompts(
-    policy: Policy, stream: PromptStream, count: int, instruction_of, counters: Counter
-) -> tuple[list, list[EncodedPrompt]]:
-    """Next ``count`` samples that encode; a broken or missing image is skipped and counted, never fatal."""
-    samples, prompts = [], []
-    attempts = 0
+    stream: PromptStream, count: int, encode, counters: Counter, *, process_index: int = 0, num_processes: int = 1,
+    exchange=lambda work: [work()],
+) -> tuple[list, list[EncodedPrompt | None]]:  # fmt: skip
+    """The next ``count`` samples of ``stream`` that encode, and their prompts, of which this process encodes
+    only its share: slots ``process_index * share ..`` (``share = count // num_processes``); the others are None.
+    A broken or missing image is skipped and counted (``skipped_broken_images``), never fatal, and every
+    process skips the same samples: the samples one process would take, whatever the number of processes.
+
+    Rounds: the next ``count - found`` samples of the stream are candidates; candidate ``j`` fills slot
+    ``found + j`` unless an earlier one fails, so the process owning that slot encodes it (each process decodes
+    its own images only). ``exchange`` shares the failures (the only collective: one per round); a sample that
+    an earlier failure moved into another process's share is encoded again by its new owner."""
+    share = count // num_processes
+    mine = range(process_index * share, (process_index + 1) * share)
+    samples: list = []
+    prompts: dict[int, EncodedPrompt] = {}  # slot -> this process's encoded prompt
+    attempts = skipped = 0
     while len(samples) < count:
-        sample = stream.next()
-        attempts += 1
-        try:
-            prompts.append(encode_prompt(policy, sample, instruction_of(sample.task)))
-            samples.append(sample)
-        except ImageLoadError as error:
-            counters["skipped_broken_images"] += 1
-            log.warning("skipping sample %s: %s", sample.id, error)
-            if attempts > 10 * count + 100:
-                raise RuntimeError("too many unreadable images in a row; check data.source") from error
-    return samples, prompts
+        found, candidates = len(samples), stream.take(count - len(samples))
+        attempts += len(candidates)
+        encoded: dict[int, EncodedPrompt] = {}  # candidate -> its prompt, for the candidates of this share
+        check = functools.partial(encode_candidates, candidates, [found + j in mine for j in range(len(candidates))], encode, encoded)
+        failed = {j: message for part in exchange(check) for j, message in part.items()}
+        counters["skipped_broken_images"] += len(failed)
+        skipped += len(failed)
+        if failed and attempts > 10 * count + 100:
+            raise RuntimeError(f"too many unreadable images in a row; check data.source ({next(iter(failed.values()))})")
+        for j, sample in enumerate(candidates):
+            if j not in failed:
+                if j in encoded and len(samples) in mine:
+                    prompts[len(samples)] = encoded[j]
+                samples.append(sample)
+    if skipped:  # every process knows the failures, so every process takes part (or none does)
+
+        def fill() -> dict:
+            for slot in mine:  # a sample another process checked, moved into this share by a failure before it
+                if slot not in prompts:
+                    prompts[slot] = encode(samples[slot])
+            return {}
+
+        exchange(fill)
+    return samples, [prompts.get(slot) for slot in range(count)]
+
+
+def encode_candidates(candidates: list, is_mine: list[bool], encode, encoded: dict) -> dict[int, str]:
+    """Encode the candidates ``j`` with ``is_mine[j]`` into ``encoded[j]``; returns {j: why} for those that
+    do not load."""
+    failures = {}
+    for j, sample in enumerate(candidates):
+        if is_mine[j]:
+            try:
+                encoded[j] = encode(sample)
+            except ImageLoadError as error:
+                failures[j] = f"skipping sample {sample.id}: {error}"
+                log.warning("%s", failures[j])
+    return failures
 
 
 def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: int) -> SamplingSettings:

@@ -73,6 +73,8 @@ def update_policy(
     if cfg.algorithm.num_iterations > 1:  # the rollout is reused: freeze the sampling policy's log-probs first
         with torch.no_grad():
             old_logprobs = [score_rows(scorer, micro, prompts, accelerator, temperature) for micro in micro_batches]
+    # The reference is frozen, so its log-probs are the same in every iteration: computed once per step.
+    ref_logprobs = [reference(micro, prompts, accelerator, temperature) for micro in micro_batches] if reference is not None else None
     stats, grad_norms = Counter(), []
     for iteration in range(cfg.algorithm.num_iterations):
         optimizer.zero_grad(set_to_none=True)
@@ -82,7 +84,7 @@ def update_policy(
             device = logprobs.device
             # With one update per rollout the policy is exactly the sampling policy: ratio 1 by construction.
             old = logprobs.detach() if old_logprobs is None else old_logprobs[index]
-            ref = reference(micro, prompts, accelerator, temperature) if reference is not None else None
+            ref = ref_logprobs[index] if ref_logprobs is not None else None
             weights = loss_weights[index].to(device)
             engine = micro.sampling_logprobs.to(device)  # what the sampling engine reported for these tokens
             importance = None

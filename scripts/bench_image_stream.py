@@ -1,0 +1,117 @@
+"""Host memory over a long image stream: peak RSS while the trainer's prompt drawing streams parquet images.
+
+Writes a parquet file in the lmms-lab RefCOCO format (``question_id, image {bytes, path}, question, answer, bbox,
+file_name``) holding ``--images`` JPEGs of ``--size`` pixels (a noisy gradient, so each JPEG is a realistic size),
+loads it with the grounding task's parquet loader (images opened lazily: header only) and draws the stream
+through ``train.draw_prompts`` with ``train.encode_sample`` on the untrained tiny model's processor, step after
+step (``--prompts-per-step``), as one of ``--processes`` processes (process 0; the others are taken to skip no
+image). Every ``--every`` images it prints the process's resident memory now and at its peak (VmRSS / VmHWM).
+With decoded pixels kept on the samples, RSS grows by about width x height x 3 bytes per image visited; without,
+it stays flat once the file is loaded.
+
+    .venv/bin/python scripts/bench_image_stream.py --images 2000 [--size 640x480] [--processes 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def memory_mib() -> tuple[float, float]:
+    """(resident now, resident peak) of this process in MiB, from /proc/self/status."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def write_parquet(path: Path, count: int, width: int, height: int) -> int:
+    """``count`` JPEG rows in the lmms-lab RefCOCO layout; returns the file's bytes."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    gradient = np.linspace(0, 200, width, dtype=np.float32)[None, :, None] + np.linspace(0, 55, height, dtype=np.float32)[:, None, None]
+    rows = []
+    for i in range(count):
+        pixels = np.clip(gradient + rng.normal(0, 12, (height, width, 3)), 0, 255).astype(np.uint8)
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, "JPEG", quality=85)
+        rows.append(
+            {
+                "question_id": str(i),
+                "image": {"bytes": out.getvalue(), "path": None},
+                "question": "Please carefully observe the area circled in the image.",
+                "answer": [f"the object number {i}"],
+                "bbox": [10.0, 20.0, 100.0, 80.0],
+                "file_name": f"{i:06d}.jpg",
+            }
+        )
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path.stat().st_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=2000, help="images streamed (default 2000)")
+    parser.add_argument("--size", default="640x480", help="WIDTHxHEIGHT of each image (default 640x480)")
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=1, help="stream as process 0 of this many")
+    parser.add_argument("--every", type=int, default=250, help="print memory every this many images")
+    args = parser.parse_args(argv)
+    try:
+        width, height = (int(v) for v in args.size.lower().split("x"))
+    except ValueError:
+        parser.error(f"--size {args.size!r} is not WIDTHxHEIGHT, e.g. 640x480")
+    if args.prompts_per_step % args.processes:
+        parser.error(f"--prompts-per-step {args.prompts_per_step} is not a multiple of --processes {args.processes}")
+
+    import tasks.grounding  # noqa: F401  (registers the task)
+    from vlm_grpo_ma.data import PromptStream
+    from vlm_grpo_ma.policy import load_policy
+    from vlm_grpo_ma.registry import get_task
+    from vlm_grpo_ma.tiny import build_untrained
+    from vlm_grpo_ma.train import draw_prompts, encode_sample
+
+    with tempfile.TemporaryDirectory() as work:
+        work = Path(work)
+        started = time.perf_counter()
+        size = write_parquet(work / "images.parquet", args.images, width, height)
+        print(f"wrote {args.images} JPEGs of {width}x{height} ({size / args.images / 1024:.0f} KiB each) in {time.perf_counter() - started:.0f} s")
+        policy = load_policy(str(build_untrained(work / "tiny", seed=0)), attn_implementation="sdpa")
+        samples = get_task("grounding").load("train", str(work / "images.parquet"))
+        stream = PromptStream(samples, seed=0)
+        others = [{}] * (args.processes - 1)
+        exchange = lambda work: [work(), *others]  # noqa: E731  (process 0; the others skip nothing)
+        rss, peak = memory_mib()
+        print(f"loaded: {len(samples)} samples; RSS {rss:.0f} MiB, peak {peak:.0f} MiB")
+        print("images drawn | encoded here | RSS MiB | peak RSS MiB | seconds")
+        counters, started, encoded = Counter(), time.perf_counter(), 0
+        while stream.position < args.images:
+            _, prompts = draw_prompts(
+                stream, args.prompts_per_step, lambda sample: encode_sample(policy, sample), counters,
+                num_processes=args.processes, exchange=exchange,
+            )  # fmt: skip
+            encoded += sum(prompt is not None for prompt in prompts)
+            del prompts  # the step is over
+            if stream.position % args.every < args.prompts_per_step:
+                rss, peak = memory_mib()
+                print(f"{stream.position:12d} | {encoded:12d} | {rss:7.0f} | {peak:12.0f} | {time.perf_counter() - started:7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
