@@ -12,10 +12,11 @@ For each model, one at a time (a 3B-4B model in bf16 takes 8-9 GB of host memory
    count against the published one; saves it with the family's real processor around the project's tiny
    tokenizer (its ids fit in the real vocabulary), images resized to ~448 x 448 px;
 2. runs ``python -m vlm_grpo_ma.train`` on it with ``configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml``
-   (LoRA rank 64 on every projection, frozen vision tower, bf16 weights and autocast, gradient
-   checkpointing), overriding only what keeps it to minutes on a CPU: 2 steps of 1 prompt (an embedded
-   scene upscaled to 448 px), K = 2 x M = 2, thoughts <= 8 tokens, answers <= 4; the trainer saves the
-   LoRA checkpoint after step 2;
+   (LoRA rank 64 on every projection, frozen vision tower, bf16 weights and autocast), overriding only what
+   keeps it to minutes on two CPU cores: 2 steps of 1 prompt (an embedded scene upscaled to 448 px),
+   K = 2 x M = 2, thoughts <= 8 tokens, answers <= 4, and gradient checkpointing off (the tree-shared
+   training forward: each prompt encoded once instead of K x M times); the trainer saves the LoRA
+   checkpoint after step 2;
 3. resumes that run (``--resume``) for a third step;
 4. prints per run: exit code, step times (from metrics.jsonl), and the trainer process's peak RSS (the
    kernel's ru_maxrss of that child); next to it the memory model's prediction for the same config on one
@@ -60,6 +61,9 @@ def overrides(model_dir: Path, steps: int) -> list[str]:
         f"train.steps={steps}",
         "train.prompts_per_step=1",
         "train.micro_batch_rows=4",
+        # the tree-shared training forward (each prompt and thought encoded once): ~5x less compute here than
+        # re-encoding every row under gradient checkpointing, which makes the CPU run minutes, not an hour
+        "model.gradient_checkpointing=false",
         "rollout.num_thoughts=2",
         "rollout.num_answers=2",
         "rollout.max_thought_tokens=8",
@@ -136,13 +140,16 @@ def step_figures(run_dir: Path) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r["time/step_seconds"])) for r in records if "time/step_seconds" in r]
 
 
-def check_model(name: str, arch: architectures.Architecture, work: Path, env: dict, baseline_rss: float, shrunk: bool) -> bool:
+def check_model(name: str, arch: architectures.Architecture, work: Path, env: dict, baseline_rss: float, shrunk: bool, reuse: bool, keep: bool) -> bool:
     print(f"\n== {name}: {arch.hub_id} ({arch.family}) ==", flush=True)
     model_dir, run_dir = work / f"{name}-model", work / f"{name}-run"
     shutil.rmtree(run_dir, ignore_errors=True)
     # built in a process of its own: its memory is returned before the trainer starts
     build = [sys.executable, str(Path(__file__).resolve()), "--build", name, str(model_dir)] + (["--shrunk"] if shrunk else [])
-    code, seconds, build_rss = run_child(build, env, work / f"{name}-build.log")
+    if reuse and (model_dir / "parameters.txt").exists():  # a model this script built and saved before
+        code, seconds, build_rss = 0, 0.0, 0.0
+    else:
+        code, seconds, build_rss = run_child(build, env, work / f"{name}-build.log")
     if code != 0:
         print(f"  building failed; log: {work / f'{name}-build.log'}", flush=True)
         return False
@@ -177,7 +184,8 @@ def check_model(name: str, arch: architectures.Architecture, work: Path, env: di
         ok = ok and bool(finished) and agree
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").glob("*")) if (run_dir / "checkpoints").exists() else []
     print(f"  checkpoints: {', '.join(checkpoints) or 'none'}", flush=True)
-    shutil.rmtree(model_dir, ignore_errors=True)  # 4-9 GB of disk each
+    if not keep:
+        shutil.rmtree(model_dir, ignore_errors=True)  # 4-9 GB of disk each
     return ok
 
 
@@ -186,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help=f"keys of ARCHITECTURES (default: {' '.join(DEFAULT_MODELS)})")
     parser.add_argument("--shrunk", action="store_true", help="shrunk copies of the same families (the script's own check, seconds)")
     parser.add_argument("--work-dir", type=Path, help="where the models, runs and logs go (kept); default: a temporary folder, removed")
+    parser.add_argument("--reuse-models", action="store_true", help="with --work-dir: use the model folders an earlier run left there")
+    parser.add_argument("--keep-models", action="store_true", help="keep each model folder (4-9 GB) after its runs")
     parser.add_argument("--build", nargs=2, metavar=("MODEL", "DIR"), help=argparse.SUPPRESS)  # the builder child
     args = parser.parse_args(argv)
     if args.build:
         arch = architectures.ARCHITECTURES[args.build[0]]
         params, _ = build_folder(architectures.shrunk(arch) if args.shrunk else arch, Path(args.build[1]))
-        (Path(args.build[1]) / "parameters.txt").write_text(str(params))
+        (Path(args.build[1]) / "parameters.txt").write_text(str(params))  # written last: the folder is complete
         return 0
     unknown = [m for m in args.models if m not in architectures.ARCHITECTURES]
     if unknown:
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
         for name in args.models:
             arch = architectures.ARCHITECTURES[name]
-            ok &= check_model(name, architectures.shrunk(arch) if args.shrunk else arch, work, env, baseline, args.shrunk)
+            ok &= check_model(name, architectures.shrunk(arch) if args.shrunk else arch, work, env, baseline, args.shrunk, args.reuse_models, args.keep_models)
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(f"\nthis script's own peak RSS (building the models): {own / 1e9:.2f} GB", flush=True)
         print("all checks passed" if ok else "SOME CHECKS FAILED", flush=True)

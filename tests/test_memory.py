@@ -157,6 +157,10 @@ def test_small_case_by_hand():
     # activations: 4 rows x 74 tokens: layer inputs 2 x 4 x 74 x 4 x 4 = 9,472; one layer 4 x 74 x (16 + 2 x
     # (4 + 2) + 18) x 4 = 54,464; head 4 rows x 7 completion tokens x 10 x (4 + 12) = 4,480
     assert e.activations == 9472 + 54464 + 4480
+    # without checkpointing the 4 rows (1 prompt, its 2 thoughts, 4 answers) are tree-shared: 67 + 2 x 5 + 4 x 2
+    # = 85 tokens, every layer's tensors kept: 2 x 85 x 46 x 4 = 31,280
+    shared = memory.estimate(SMALL, _small_cfg("model.gradient_checkpointing=false"), 1, "ddp")
+    assert shared.activations == 31280 + 4480
     assert e.peak == max(e.weights + e.optimizer + e.kv_cache, e.weights + e.optimizer + e.gradients + e.activations)
 
 

@@ -16,8 +16,9 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   prompt + thought + answer (gradient checkpointing drops the KV cache, so rows are not tree-shared): the
   checkpointed input of every decoder layer, one layer's recomputed tensors (4 x hidden + 2 x (q + kv) + 3 x
   intermediate per token), and the log-prob head: [rows, thought + answer, vocabulary] logits in the compute
-  dtype, their fp32 copy, log-softmax and its gradient (3 x 4 bytes). Without checkpointing every layer's
-  tensors are kept. A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
+  dtype, their fp32 copy, log-softmax and its gradient (3 x 4 bytes). Without checkpointing the rows are
+  tree-shared (each prompt and thought of the micro-batch encoded once, ``policy.shared_prefix_logprobs``) and
+  every layer's tensors of those tokens are kept. A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
 - KV cache (the rollout's peak): keys and values of every layer for the process's prompts x (K x M + K) rows
   (the K thought rows and their K x M copies exist together while the cache is repeated), each of prompt +
   thought + answer tokens, in the compute dtype; plus the sampled rows' fp32 logits, probabilities and
@@ -133,11 +134,14 @@ def estimate(arch: Architecture, cfg: Config, processes: int = 1, strategy: str 
     images = visual_tokens(arch, cfg.model.max_pixels)
     sequence = images + prompt_text_tokens + completion
     micro = min(cfg.train.micro_batch_rows, rows)
-    layer_tensors = micro * sequence * (4 * h + 2 * (q + kv) + 3 * t["intermediate_size"]) * a
-    if cfg.model.gradient_checkpointing:
-        decoder = layers * micro * sequence * h * a + layer_tensors
-    else:
-        decoder = layers * layer_tensors
+    per_token = (4 * h + 2 * (q + kv) + 3 * t["intermediate_size"]) * a  # one layer's tensors kept for backward
+    if cfg.model.gradient_checkpointing:  # rows re-encoded; layer inputs kept, one layer recomputed at a time
+        decoder = layers * micro * sequence * h * a + micro * sequence * per_token
+    else:  # tree-shared: each prompt and thought of the micro-batch encoded once, every layer's tensors kept
+        micro_prompts = min(prompts, math.ceil(micro / (k * m)))
+        micro_thoughts = min(micro_prompts * k, math.ceil(micro / m))
+        encoded = micro_prompts * (images + prompt_text_tokens) + micro_thoughts * cfg.rollout.max_thought_tokens + micro * cfg.rollout.max_answer_tokens
+        decoder = layers * encoded * per_token
     head = micro * completion * vocab * (a + 12)
     vision = 0
     if not cfg.model.freeze_vision and cfg.model.lora_rank == 0:
