@@ -155,7 +155,8 @@ def check_model(name: str, arch: architectures.Architecture, work: Path, env: di
         return False
     params = int((model_dir / "parameters.txt").read_text())
     line, ok = published_line(arch, params)
-    print(f"  built in bf16 and saved in {seconds:.0f} s (peak RSS {build_rss / 1e9:.2f} GB): {line}", flush=True)
+    built = f"built in bf16 and saved in {seconds:.0f} s (peak RSS {build_rss / 1e9:.2f} GB)" if build_rss else "reused"
+    print(f"  {built}: {line}", flush=True)
     predicted = predicted_bytes(arch, model_dir)
     train = [sys.executable, "-m", "vlm_grpo_ma.train", "--config", str(PRESET), "--output-dir", str(run_dir)]
     # the first run logs steps 1 and 2 and saves; the resumed one logs step 3 only (a restart would log 1-3)
