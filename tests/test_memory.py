@@ -202,3 +202,22 @@ def test_cli_table_lists_every_preset():
     ).stdout  # fmt: skip
     assert "3,754,622,976 parameters" in one and "fits in 80 GB" in one
     assert [memory.verdict(n, 80) for n in (76_000_000_000, 76_000_000_001, 80_000_000_000, 80_000_000_001)] == ["fits", "tight", "tight", "no"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# scripts/check_real_size.py on a shrunk copy (the real sizes take minutes per family: not in the suite)
+
+
+@pytest.mark.slow
+def test_check_real_size_runs_on_a_shrunk_copy(tmp_path):
+    """Build, 2 steps + checkpoint, resume for step 3, peak RSS against the memory model: the script's whole
+    path on Qwen3-VL's structure shrunk to ~10M parameters (about 40 s)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_real_size.py"), "--shrunk", "--models", "qwen3-vl-4b", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "9,941,280 parameters (shrunk copy; hand count 9,941,280)" in out
+    assert "2 steps + checkpoint: exit code 0" in out and "resume, step 3: exit code 0" in out
+    assert "checkpoints: step-000003" in out and "all checks passed" in out
