@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from vlm_grpo_ma import architectures, memory
-from vlm_grpo_ma.architectures import ARCHITECTURES, Architecture, architecture_of, lora_counts, parameter_counts
+from vlm_grpo_ma.architectures import (
+    ARCHITECTURES,
+    Architecture,
+    architecture_of,
+    lora_counts,
+    parameter_counts,
+)
 from vlm_grpo_ma.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,10 +90,11 @@ def test_lora_count_by_hand():
 
 
 def _tiny_policy_after_one_adamw_step(lora_rank: int, dtype: str):
+    from transformers import AutoModelForImageTextToText
+
     from vlm_grpo_ma import lora
     from vlm_grpo_ma.sharding import state_bytes
     from vlm_grpo_ma.tiny import TINY_MODEL_DIR
-    from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(TINY_MODEL_DIR, dtype=getattr(torch, dtype))
     if lora_rank:
