@@ -199,14 +199,13 @@ def test_bad_arguments_name_the_value_and_the_choices():
         memory.estimate(SMALL, _small_cfg(), 3, "ddp")
 
 
-def test_cli_table_lists_every_preset():
-    out = subprocess.run([sys.executable, "-m", "vlm_grpo_ma.memory", "--all"], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+def test_cli_table_lists_every_preset(capsys):
+    assert memory.main(["--all"]) == 0
+    out = capsys.readouterr().out
     for path in memory.preset_paths():
         assert f"| {path.name} |" in out
-    one = subprocess.run(
-        [sys.executable, "-m", "vlm_grpo_ma.memory", "--config", "configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml", "--processes", "8"],
-        capture_output=True, text=True, check=True, cwd=ROOT,
-    ).stdout  # fmt: skip
+    memory.main(["--config", str(ROOT / "configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml"), "--processes", "8"])
+    one = capsys.readouterr().out
     assert "3,754,622,976 parameters" in one and "fits in 80 GB" in one
     assert [memory.verdict(n, 80) for n in (76_000_000_000, 76_000_000_001, 80_000_000_000, 80_000_000_001)] == ["fits", "tight", "tight", "no"]
 
