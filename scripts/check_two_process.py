@@ -156,8 +156,20 @@ def memory_figures(run_dir: Path, processes: int) -> list[dict[str, float]]:
     return [{part: last[f"memory/rank{rank}_{part}_bytes"] for part in MEMORY_PARTS} for rank in range(processes)]
 
 
-def check_memory(one: Path, two: Path, strategy: str) -> bool:
-    """Prints each rank's bytes next to the one-process figure; FSDP: each rank holds about half."""
+def predicted_bytes(model_dir: Path, overrides: list[str], strategy: str) -> dict[str, int]:
+    """What the memory model (vlm_grpo_ma.memory) predicts each of 2 processes holds after a step."""
+    from vlm_grpo_ma.architectures import architecture_of
+    from vlm_grpo_ma.config import load_config
+    from vlm_grpo_ma.memory import estimate
+
+    e = estimate(architecture_of(str(model_dir)), load_config(None, overrides), 2, strategy)
+    held = {"parameter": e.weights, "gradient": e.gradients_between_steps, "optimizer": e.optimizer, "reference": e.reference}
+    return {**held, "total": sum(held.values())}
+
+
+def check_memory(one: Path, two: Path, strategy: str, predicted: dict[str, int] | None = None) -> bool:
+    """Prints each rank's bytes next to the one-process figure (and the memory model's prediction); FSDP: each
+    rank holds about half."""
     (unsharded,), ranks = memory_figures(one, 1), memory_figures(two, 2)
     print(f"  bytes held per process ({strategy}, 2 processes) vs one process:")
     ok = True
@@ -165,7 +177,8 @@ def check_memory(one: Path, two: Path, strategy: str) -> bool:
         full = sum(unsharded.values()) if part == "total" else unsharded[part]
         held = [sum(r.values()) if part == "total" else r[part] for r in ranks]
         shares = [h / full if full else 0.0 for h in held]
-        print(f"    {part:<10} one process {full:>12,.0f} | rank 0 {held[0]:>12,.0f} ({shares[0]:.1%}) | rank 1 {held[1]:>12,.0f} ({shares[1]:.1%})")
+        model = f" | memory model {predicted[part]:>12,} ({predicted[part] / max(held[0], 1) - 1:+.2%} of rank 0)" if predicted else ""
+        print(f"    {part:<10} one process {full:>12,.0f} | rank 0 {held[0]:>12,.0f} ({shares[0]:.1%}) | rank 1 {held[1]:>12,.0f} ({shares[1]:.1%}){model}")
         if strategy == "fsdp" and full and max(shares) > SHARDED_SHARE:
             ok = False
     return ok
@@ -250,7 +263,7 @@ def check_optimizer(
         drawn = {run: logged(run, "signal/resampled_prompts") for run in (one, two)}
         print(f"  prompts drawn again (dynamic sampling), 1 proc / 2 procs: {drawn[one]} / {drawn[two]}")
         parts_ok = drawn[one] == drawn[two]
-    parts_ok = check_memory(one, two, strategy) and parts_ok
+    parts_ok = check_memory(one, two, strategy, predicted_bytes(model_dir, overrides, strategy)) and parts_ok
     if strategy == "fsdp":
         parts_ok = check_reduce_scatters(two, 2) and parts_ok
     return (

@@ -26,6 +26,7 @@ Extra ``section.key=value`` arguments after the options go to the trainer unchan
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -38,48 +39,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from vlm_grpo_ma import architectures  # noqa: E402
+from vlm_grpo_ma.architectures import QWEN2_5_VL_3B  # noqa: E402
+
 PRESETS = {
     False: REPO / "configs" / "qwen2.5-vl-3b-grounding-t4a4.yaml",
     True: REPO / "configs" / "qwen2.5-vl-3b-lora-grounding-t4a4.yaml",
 }
 
-# Qwen2.5-VL-3B-Instruct's config.json (Qwen/Qwen2.5-VL-3B-Instruct on the Hugging Face hub), written from
-# memory (nothing can be downloaded here). The shapes that set the parameter count and the compute give
-# 3,754,622,976 parameters, the published "3.75B" (tests/test_presets.py). Less certain, and changing neither
-# count nor compute of this check: max_window_layers (70; unused: use_sliding_window is false),
-# max_position_embeddings (128000), tokens_per_second (2; videos only) and rope_theta (1e6).
-THREE_B_TEXT = dict(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_hidden_layers=36,
-    num_attention_heads=16,  # head_dim 128
-    num_key_value_heads=2,
-    hidden_act="silu",
-    max_position_embeddings=128000,
-    rms_norm_eps=1e-6,
-    use_sliding_window=False,
-    sliding_window=32768,
-    max_window_layers=70,
-    tie_word_embeddings=True,  # 3B ties lm_head to the embedding (7B does not)
-    # mrope_section sums to head_dim / 2 = 64: temporal, height, width
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-)
-THREE_B_VISION = dict(
-    depth=32,
-    hidden_size=1280,
-    intermediate_size=3420,
-    num_heads=16,
-    out_hidden_size=2048,  # = text hidden_size
-    hidden_act="silu",
-    in_channels=3,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    window_size=112,  # window attention over 112 px = 8x8 patches = 4x4 merged tokens
-    fullatt_block_indexes=[7, 15, 23, 31],
-    tokens_per_second=2,
-)
+# Qwen2.5-VL-3B-Instruct's architecture numbers: vlm_grpo_ma/architectures.py (one source for every script).
+THREE_B_TEXT = QWEN2_5_VL_3B.text
+THREE_B_VISION = QWEN2_5_VL_3B.vision
 SPECS = {
     "3b": dict(
         text=THREE_B_TEXT,
@@ -89,12 +60,8 @@ SPECS = {
     # The same structure (3B vocabulary included, so that sampling ids the tiny tokenizer does not know is
     # exercised), shrunk so that the whole check runs on a CPU in well under a minute.
     "tiny": dict(
-        text=dict(
-            THREE_B_TEXT, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=4096,  # head_dim 32
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]},
-        ),
-        vision=dict(THREE_B_VISION, depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[1]),
+        text=architectures.shrunk(QWEN2_5_VL_3B).text,
+        vision=architectures.shrunk(QWEN2_5_VL_3B).vision,
         image_pixels=None,  # the tiny processor's own sizes (84 px)
     ),
 }  # fmt: skip
@@ -124,60 +91,14 @@ def tiny_processor():
 
 def build_config(size: str, tokenizer):
     """A ``Qwen2_5_VLConfig`` of ``SPECS[size]`` whose special-token ids are ``tokenizer``'s."""
-    from transformers import Qwen2_5_VLConfig
-
     if size not in SPECS:
         raise ValueError(f"unknown size {size!r}; known sizes: {', '.join(SPECS)}")
     spec = SPECS[size]
-    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in [
-        ("pad", "<|endoftext|>"), ("eos", "<|im_end|>"), ("image", "<|image_pad|>"), ("video", "<|video_pad|>"),
-        ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
-    ]}  # fmt: skip
-    if max(ids.values()) >= spec["text"]["vocab_size"] or len(tokenizer) > spec["text"]["vocab_size"]:
-        raise ValueError(
-            f"tokenizer of {len(tokenizer)} tokens does not fit vocab_size {spec['text']['vocab_size']}"
-        )
-    text = dict(
-        spec["text"],
-        bos_token_id=ids["pad"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"],
-        attention_dropout=0.0,
-    )
-    return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=dict(spec["vision"]),
-        image_token_id=ids["image"],
-        video_token_id=ids["video"],
-        vision_start_token_id=ids["vision_start"],
-        vision_end_token_id=ids["vision_end"],
-        bos_token_id=ids["pad"],
-        eos_token_id=ids["eos"],
-        pad_token_id=ids["pad"],
-        tie_word_embeddings=spec["text"]["tie_word_embeddings"],
-    )
+    return architectures.build_config(dataclasses.replace(QWEN2_5_VL_3B, text=spec["text"], vision=spec["vision"]), tokenizer)
 
 
-def build_model(config, *, device: str = "cpu", dtype: str = "float32", seed: int = 0):
-    """Random weights, allocated directly on ``device`` in ``dtype`` (no fp32 CPU copy of a 3B model)."""
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, dtype))
-    try:
-        with torch.device(device):
-            model = Qwen2_5_VLForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.generation_config.eos_token_id = config.text_config.eos_token_id
-    model.generation_config.pad_token_id = config.text_config.pad_token_id
-    return model
-
-
-def count_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+build_model = architectures.build_model
+count_parameters = architectures.count_parameters
 
 
 def save_model_folder(out_dir: Path, size: str, *, device: str, dtype: str) -> int:

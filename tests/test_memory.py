@@ -1,0 +1,229 @@
+"""Architecture numbers and the memory model (vlm_grpo_ma.architectures, vlm_grpo_ma.memory): parameter counts by
+hand against built models and the published figures; predicted bytes against a real model's parameters,
+gradients and AdamW state, and small cases computed by hand."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_grpo_ma import architectures, memory
+from vlm_grpo_ma.architectures import (
+    ARCHITECTURES,
+    Architecture,
+    architecture_of,
+    lora_counts,
+    parameter_counts,
+)
+from vlm_grpo_ma.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from vlm_grpo_ma.tiny import TINY_MODEL_DIR
+
+    return AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# architectures
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_hand_count_equals_the_built_model_and_the_published_size(name, tokenizer):
+    arch = ARCHITECTURES[name]
+    model = architectures.build_model(architectures.build_config(arch, tokenizer), device="meta", dtype="bfloat16")
+    named = list(model.named_parameters())
+    counts = parameter_counts(arch)
+    assert counts.total == sum(p.numel() for _, p in named)
+    assert counts.vision == sum(p.numel() for n, p in named if ".visual." in f".{n}")
+    assert counts.text_tensors + counts.vision_tensors == len(named)
+    # the hub's figures: Qwen2.5-VL-3B counted exactly before; the others as the hub rounds them (0.01B)
+    published = {"qwen2-vl-2b": 2.21e9, "qwen2.5-vl-3b": 3_754_622_976, "qwen2.5-vl-7b": 8.29e9, "qwen3-vl-2b": 2.13e9, "qwen3-vl-4b": 4.44e9}
+    assert abs(counts.total - published[name]) <= 0.005e9
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl-2b", "qwen2.5-vl-3b", "qwen3-vl-4b"])
+def test_shrunk_copy_keeps_the_family_structure(name, tokenizer):
+    arch = architectures.shrunk(ARCHITECTURES[name])
+    model = architectures.build_model(architectures.build_config(arch, tokenizer), dtype="float32")
+    assert parameter_counts(arch).total == architectures.count_parameters(model)
+    assert model.config.text_config.vocab_size == 151936
+    assert model.config.model_type == ARCHITECTURES[name].family
+
+
+def test_published_structure_of_each_family():
+    a3b, q2, q3 = ARCHITECTURES["qwen2.5-vl-3b"], ARCHITECTURES["qwen2-vl-2b"], ARCHITECTURES["qwen3-vl-4b"]
+    for arch in (a3b, q2, q3):
+        rope = arch.text["rope_parameters"]
+        assert sum(rope["mrope_section"]) == architectures.head_dim(arch.text) // 2
+        assert arch.text["vocab_size"] == 151936 and arch.text["tie_word_embeddings"] is True
+    assert a3b.vision["fullatt_block_indexes"] == [7, 15, 23, 31] and a3b.vision["window_size"] == 112
+    assert q3.vision["deepstack_visual_indexes"] == [5, 11, 17] and q3.text["rope_parameters"]["mrope_interleaved"]
+    assert ARCHITECTURES["qwen2.5-vl-7b"].text["tie_word_embeddings"] is False
+
+
+def test_architecture_of_names_hub_ids_and_folders():
+    assert architecture_of("Qwen/Qwen3-VL-4B-Instruct") is ARCHITECTURES["qwen3-vl-4b"]
+    assert architecture_of("tiny").family == "qwen2_5_vl"
+    with pytest.raises(ValueError, match="unknown model 'Qwen/Qwen9'.*Qwen/Qwen2.5-VL-3B-Instruct"):
+        architecture_of("Qwen/Qwen9")
+
+
+def test_lora_count_by_hand():
+    # Qwen2.5-VL-3B, rank 64 on q/k/v/o/gate/up/down: per layer 64 x ((2048+2048) + 2 x (2048+256) + (2048+2048)
+    # + 2 x (2048+11008) + (11008+2048)), 36 layers
+    per_layer = 64 * (4096 + 2 * 2304 + 4096 + 2 * 13056 + 13056)
+    assert lora_counts(ARCHITECTURES["qwen2.5-vl-3b"], 64, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]) == (36 * per_layer, 36 * 14)
+    with pytest.raises(ValueError, match=r"\['qkv'\].*q_proj"):
+        lora_counts(ARCHITECTURES["qwen2.5-vl-3b"], 8, ["qkv"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the memory model against a real model's bytes
+
+
+def _tiny_policy_after_one_adamw_step(lora_rank: int, dtype: str):
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_grpo_ma import lora
+    from vlm_grpo_ma.sharding import state_bytes
+    from vlm_grpo_ma.tiny import TINY_MODEL_DIR
+
+    model = AutoModelForImageTextToText.from_pretrained(TINY_MODEL_DIR, dtype=getattr(torch, dtype))
+    if lora_rank:
+        lora.apply_lora(model, rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-3)
+    for p in trained:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    return state_bytes(model, optimizer, 0)
+
+
+def _cfg(*overrides):
+    return load_config(None, ["model.name_or_path=tiny", *overrides])
+
+
+def test_tiny_full_fine_tuning_bytes_equal_the_real_model_and_adamw_state():
+    measured = _tiny_policy_after_one_adamw_step(0, "float32")
+    e = memory.estimate(architecture_of("tiny"), _cfg("model.freeze_vision=false"), 1, "ddp")
+    assert e.weights == measured["memory/rank0_parameter_bytes"]
+    assert e.gradients == measured["memory/rank0_gradient_bytes"]
+    assert e.optimizer == measured["memory/rank0_optimizer_bytes"]  # exp_avg, exp_avg_sq and a step per tensor
+
+
+def test_tiny_lora_bytes_equal_the_real_adapters_in_a_bf16_model():
+    measured = _tiny_policy_after_one_adamw_step(8, "bfloat16")
+    e = memory.estimate(architecture_of("tiny"), _cfg("model.dtype=bfloat16", "model.lora_rank=8"), 1, "ddp")
+    assert e.weights == measured["memory/rank0_parameter_bytes"]  # bf16 base + fp32 adapters
+    assert e.gradients == measured["memory/rank0_gradient_bytes"]
+    assert e.optimizer == measured["memory/rank0_optimizer_bytes"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# small cases by hand
+
+SMALL = Architecture(
+    family="qwen2_5_vl",
+    text=dict(vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1, tie_word_embeddings=True),
+    vision=dict(depth=1, hidden_size=2, intermediate_size=3, out_hidden_size=4, in_channels=1, patch_size=1,
+                spatial_merge_size=1, temporal_patch_size=1),
+)  # fmt: skip
+
+
+def _small_cfg(*overrides):
+    return load_config(None, [
+        "model.dtype=float32", "model.max_pixels=3", "model.freeze_vision=true", "model.gradient_checkpointing=true",
+        "rollout.num_thoughts=2", "rollout.num_answers=3", "rollout.max_thought_tokens=5", "rollout.max_answer_tokens=2",
+        "train.prompts_per_step=2", "train.micro_batch_rows=4", *overrides,
+    ])  # fmt: skip
+
+
+def test_small_case_by_hand():
+    # text: embedding 10x4 = 40; a layer (head_dim 2, kv width 2): q 4x4+4, k 4x2+2, v 4x2+2, o 16, mlp 3 x 4x6 = 72,
+    # 2 norms 8 -> 20+10+10+16+72+8 = 136; 2 layers 272; final norm 4 -> 316. Tensors: a layer has q, k, v weight
+    # and bias (6), o, gate, up, down (4), 2 norms: 12; 1 + 2 x 12 + 1 = 26
+    counts = parameter_counts(SMALL)
+    assert (counts.text, counts.text_tensors) == (316, 26)
+    e = memory.estimate(SMALL, _small_cfg(), 1, "ddp")
+    assert e.trained_elements == 316 and e.weights == 4 * counts.total
+    assert (e.gradients, e.optimizer) == (4 * 316, 8 * 316 + 4 * 26)
+    # rows: 2 prompts x 2 x 3 = 12, micro-batches of 4: 3. A prompt: 3 visual tokens (3 px / 1 px patches) + 64
+    # text, + 5 + 2 = 74 tokens. KV: 2 x (6 + 2) = 16 rows x 74 x 2 layers x (k, v) x kv width 2 x 4 bytes
+    # = 37,888, plus 12 sampled rows x 10 logits x 12 bytes = 1,440
+    assert e.micro_batches_per_process == 3
+    assert e.kv_cache == 16 * 74 * 2 * 2 * 2 * 4 + 12 * 10 * 12
+    # activations: 4 rows x 74 tokens: layer inputs 2 x 4 x 74 x 4 x 4 = 9,472; one layer 4 x 74 x (16 + 2 x
+    # (4 + 2) + 18) x 4 = 54,464; head 4 rows x 7 completion tokens x 10 x (4 + 12) = 4,480
+    assert e.activations == 9472 + 54464 + 4480
+    # without checkpointing the 4 rows (1 prompt, its 2 thoughts, 4 answers) are tree-shared: 67 + 2 x 5 + 4 x 2
+    # = 85 tokens, every layer's tensors kept: 2 x 85 x 46 x 4 = 31,280
+    shared = memory.estimate(SMALL, _small_cfg("model.gradient_checkpointing=false"), 1, "ddp")
+    assert shared.activations == 31280 + 4480
+    assert e.peak == max(e.weights + e.optimizer + e.kv_cache, e.weights + e.optimizer + e.gradients + e.activations)
+
+
+def test_fsdp_splits_weights_optimizer_and_reference_and_gathers_for_the_rollout():
+    ddp = memory.estimate(SMALL, _small_cfg("algorithm.kl_coef=0.1", "train.micro_batch_rows=6"), 2, "ddp")
+    fsdp = memory.estimate(SMALL, _small_cfg("algorithm.kl_coef=0.1", "train.micro_batch_rows=6"), 2, "fsdp")
+    total = parameter_counts(SMALL).total
+    assert (ddp.weights, ddp.reference) == (4 * total, 4 * total)
+    assert (fsdp.weights, fsdp.reference) == (2 * total, 2 * total)
+    assert fsdp.gradients == 2 * 316  # one micro-batch per process: gradients stay shards
+    assert fsdp.optimizer == 4 * 316 + 4 * 26  # the moments split, the step counts on every process
+    assert fsdp.fsdp_rollout_gather == 2 * total and ddp.fsdp_rollout_gather == 0
+    # more than one micro-batch per process: the unsharded gradient is kept through the step
+    assert memory.estimate(SMALL, _small_cfg("train.micro_batch_rows=2"), 2, "fsdp").gradients == 4 * 316
+
+
+def test_lora_has_no_reference_copy_and_bf16_autocast_halves_the_cache():
+    cfg = _small_cfg("algorithm.kl_coef=0.1", "model.lora_rank=1", "model.lora_target_modules=[q_proj]")
+    e = memory.estimate(SMALL, cfg, 1, "ddp")
+    assert e.reference == 0 and e.trained_elements == 2 * (4 + 4)  # rank 1 x (in 4 + out 4) per layer
+    bf16 = memory.estimate(SMALL, _small_cfg("train.mixed_precision=bf16"), 1, "ddp")
+    assert bf16.kv_cache == 16 * 74 * 2 * 2 * 2 * 2 + 12 * 10 * 12
+
+
+def test_bad_arguments_name_the_value_and_the_choices():
+    with pytest.raises(ValueError, match="strategy 'zero3' is not one of ddp, fsdp"):
+        memory.estimate(SMALL, _small_cfg(), 1, "zero3")
+    with pytest.raises(ValueError, match=r"processes 3: must be >= 1 and divide train.prompts_per_step \(2\)"):
+        memory.estimate(SMALL, _small_cfg(), 3, "ddp")
+
+
+def test_cli_table_lists_every_preset(capsys):
+    assert memory.main(["--all"]) == 0
+    out = capsys.readouterr().out
+    for path in memory.preset_paths():
+        assert f"| {path.name} |" in out
+    memory.main(["--config", str(ROOT / "configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml"), "--processes", "8"])
+    one = capsys.readouterr().out
+    assert "3,754,622,976 parameters" in one and "fits in 80 GB" in one
+    assert [memory.verdict(n, 80) for n in (76_000_000_000, 76_000_000_001, 80_000_000_000, 80_000_000_001)] == ["fits", "tight", "tight", "no"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# scripts/check_real_size.py on a shrunk copy (the real sizes take minutes per family: not in the suite)
+
+
+@pytest.mark.slow
+def test_check_real_size_runs_on_a_shrunk_copy(tmp_path):
+    """Build, 2 steps + checkpoint, resume for step 3, peak RSS against the memory model: the script's whole
+    path on Qwen3-VL's structure shrunk to ~10M parameters (about 40 s)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_real_size.py"), "--shrunk", "--models", "qwen3-vl-4b", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "9,941,280 parameters (shrunk copy; hand count 9,941,280)" in out
+    assert "2 steps + checkpoint: exit code 0" in out and "resume, step 3: exit code 0" in out
+    assert "checkpoints: step-000003" in out and "all checks passed" in out
