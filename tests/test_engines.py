@@ -39,6 +39,9 @@ def test_engine_choice_is_validated():
     with pytest.raises(ConfigError, match=r"rollout.temperature=2.5: rollout.engine=vllm samples at temperatures up to 2"):
         load_config(None, ["rollout.engine=vllm", "rollout.temperature=2.5"])
     load_config(None, ["rollout.temperature=2.5"])  # the HF engine samples at any temperature
+    with pytest.raises(ConfigError, match=r"rollout.top_p=0.9: rollout.engine=vllm reports log-probs renormalised over the nucleus"):
+        load_config(None, ["rollout.engine=vllm", "rollout.top_p=0.9"])
+    load_config(None, ["rollout.top_p=0.9"])  # the HF engine reports the whole distribution's log-probs
     with pytest.raises(ConfigError, match=r"algorithm.rollout_correction='is' is not valid; choose one of: none, tis"):
         load_config(None, ["algorithm.rollout_correction=is"])
     with pytest.raises(ConfigError, match=r"algorithm.rollout_correction_cap=0.5 must be >= 1"):

@@ -435,3 +435,46 @@ def test_a_non_finite_gradient_stops_before_the_optimiser_step_and_keeps_the_ste
     assert [p.name for p in list_checkpoints(run)] == ["step-000002"]
     weights = load_file(latest_checkpoint(run) / "model" / "model.safetensors")
     assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+class _TwoProcesses:
+    """The accelerator of process 0 of 2 whose peer has nothing to report: ``gather`` appends the peer's
+    all-clear row. Stands in for the collective, not for the code under test (``survive.agree``)."""
+
+    num_processes, process_index, device = 2, 0, torch.device("cpu")
+
+    def gather(self, tensor):
+        return torch.cat([tensor, torch.zeros_like(tensor)])
+
+
+def test_a_pending_signal_waits_where_the_step_is_not_complete_and_stops_at_the_next_agreement():
+    from vlm_grpo_ma import survive
+
+    restore = survive.raise_on_sigterm(2)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert survive._pending_signal == [signal.SIGTERM]
+        with survive.together(_TwoProcesses(), act_on_signals=False):  # the weights changed: not here
+            pass
+        with pytest.raises(survive.Terminated, match="process 0 received signal SIGTERM"):
+            with survive.together(_TwoProcesses()):
+                pass
+    finally:
+        restore()
+
+
+def test_the_same_signal_twice_within_the_grace_is_one_request_and_later_raises_at_once(monkeypatch):
+    from vlm_grpo_ma import survive
+
+    restore = survive.raise_on_sigterm(2)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's copy
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's forwarded copy, milliseconds later: ignored
+        assert survive._pending_signal == [signal.SIGTERM]
+        monkeypatch.setattr(survive, "REPEAT_GRACE_S", 0.0)  # a repeat after the grace: the way out
+        with pytest.raises(survive.Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs at the next bytecode boundary of the main thread
+                time.sleep(0.001)
+    finally:
+        restore()

@@ -335,6 +335,12 @@ def validate(cfg: Config) -> Config:
             f"algorithm.clip_low={cfg.algorithm.clip_low!r} must be in [0, 1] (the ratio's lower bound is 1 - clip_low;"
             " 1 leaves it open)"
         )
+    if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
+        raise ConfigError(
+            f"rollout.top_p={cfg.rollout.top_p!r}: rollout.engine=vllm reports log-probs renormalised over the nucleus,"
+            " while the trainer scores the whole distribution, so the log-prob gap and the TIS weights would measure"
+            " the nucleus, not the engine; use rollout.top_p=1 or rollout.engine=hf"
+        )
     if cfg.rollout.engine == "vllm" and cfg.rollout.temperature > 2:
         raise ConfigError(
             f"rollout.temperature={cfg.rollout.temperature!r}: rollout.engine=vllm samples at temperatures up to 2"

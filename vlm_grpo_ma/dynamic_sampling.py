@@ -45,8 +45,9 @@ def draw_groups(
     prompts: list[EncodedPrompt],
 ) -> list[Group]:  # fmt: skip
     """Every process's groups of one draw, in the draw's order. ``rollout``, ``scored`` and ``informative`` [B_local]
-    are this process's share; ``samples`` and ``prompts`` the whole draw (every process draws and encodes all of
-    it), so only the trees and scores cross between processes."""
+    are this process's share; ``samples`` and ``prompts`` the whole draw (every process draws all of it and
+    encodes its own share; the other prompts are None, and a group that moves to this process has its prompt
+    encoded by the caller), so only the trees and scores cross between processes."""
     share = rollout.num_prompts
     local = (dataclasses.replace(rollout, samples=[], prompts=[]), scored, informative.tolist())
     if accelerator.num_processes == 1:

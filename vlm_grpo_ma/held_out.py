@@ -49,10 +49,15 @@ def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path
         positions = {sample.id: i for i, sample in enumerate(samples)}  # each sample's seed: as one process
         batches = [samples[start : start + batch_size] for start in range(0, len(samples), batch_size)]
         mine = []
-        with survive.together(accelerator):  # a process that fails stops every process, not the gathering
-            for index in range(rank, len(batches), processes):
-                records = generate_records(policy, task, batches[index], settings, batch_size=batch_size, positions=positions)
-                mine.append((index, [record for batch in records for record in batch]))
+        # One agreement per round of batches (every process has the same number of rounds), not per set: a stop
+        # on any process (an error, Ctrl-C, SIGTERM) is acted on within one batch, before a launcher that
+        # forwarded the signal loses patience and kills the processes.
+        for first in range(0, len(batches), processes):
+            with survive.together(accelerator):
+                index = first + rank
+                if index < len(batches):
+                    records = generate_records(policy, task, batches[index], settings, batch_size=batch_size, positions=positions)
+                    mine.append((index, [record for batch in records for record in batch]))
         shares = gather_object(mine) if processes > 1 else mine
         records = [record for _, batch in sorted(shares, key=lambda share: share[0]) for record in batch]
         if accelerator.is_main_process:

@@ -19,6 +19,7 @@ import logging
 import math
 import signal
 import threading
+import time
 
 import torch
 
@@ -48,6 +49,11 @@ class StoppedByAnotherProcess(RuntimeError):
 
 
 _pending_signal: list[int] = []  # several processes: stop signals received, acted on by ``together``
+_first_received: dict[int, float] = {}  # signal -> time.monotonic() when it was first received
+# Several processes: the same signal again within this many seconds is the same request. A scheduler that
+# signals every process of a job while the launcher forwards its own copy delivers each signal twice within
+# milliseconds; raising on the second would stop each process at a different point.
+REPEAT_GRACE_S = 10.0
 
 
 def raise_on_sigterm(num_processes: int = 1):
@@ -57,19 +63,23 @@ def raise_on_sigterm(num_processes: int = 1):
     main thread, where Python cannot install handlers.
 
     With several processes SIGTERM and SIGINT are recorded instead, and every process stops at the next
-    ``together`` (``Terminated`` or ``Interrupted`` there); a second signal of the same kind on a process
-    raises at once (the way out when a process is stuck)."""
+    ``together`` (``Terminated`` or ``Interrupted`` there); the same signal again more than ``REPEAT_GRACE_S``
+    seconds later raises at once (the way out when a process is stuck); within it, it is ignored."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     _pending_signal.clear()
+    _first_received.clear()
     kinds = (signal.SIGTERM,) if num_processes == 1 else (signal.SIGTERM, signal.SIGINT)
     previous = {kind: signal.getsignal(kind) for kind in kinds}
 
     def handler(signum, frame):
         if num_processes > 1 and signum not in _pending_signal:
             _pending_signal.append(signum)
+            _first_received[signum] = time.monotonic()
             log.warning("received %s: every process stops after its current phase", signal.Signals(signum).name)
             return
+        if num_processes > 1 and time.monotonic() - _first_received[signum] < REPEAT_GRACE_S:
+            return  # the same request delivered twice (see REPEAT_GRACE_S)
         signal.signal(signum, signal.SIG_IGN)
         raise _signal_error(signum, f"received signal {signal.Signals(signum).name}")
 
@@ -89,27 +99,29 @@ def _signal_error(signum: int, message: str) -> KeyboardInterrupt:
 
 
 @contextlib.contextmanager
-def together(accelerator):
+def together(accelerator, *, act_on_signals: bool = True):
     """Run a block that holds no collective; on leaving it, every process stops if any process raised in it
-    or has a stop signal pending (see the module's docstring). One process: errors pass through as they are."""
+    or has a stop signal pending (see the module's docstring). One process: errors pass through as they are.
+    ``act_on_signals=False`` leaves a pending signal for the next block: where the weights have changed and the
+    step is not complete, stopping would lose every step since the last checkpoint."""
     error = None
     try:
         yield
     except Exception as raised:  # noqa: BLE001 - every error is shared with the other processes, then re-raised
         error = raised
-    agree(accelerator, error)
+    agree(accelerator, error, act_on_signals=act_on_signals)
 
 
-def agree(accelerator, error: Exception | None) -> None:
+def agree(accelerator, error: Exception | None, *, act_on_signals: bool = True) -> None:
     """Every process calls this at the same point. Raises on every process when any process brings an error
-    (the failing process re-raises its own; the others ``StoppedByAnotherProcess`` with its message) or has a
-    stop signal pending (``Terminated`` / ``Interrupted`` everywhere). Each raised error is marked
-    ``stopped_together``."""
+    (the failing process re-raises its own; the others ``StoppedByAnotherProcess`` with its message) or, with
+    ``act_on_signals``, has a stop signal pending (``Terminated`` / ``Interrupted`` everywhere). Each raised
+    error is marked ``stopped_together``."""
     if accelerator.num_processes == 1:
         if error is not None:
             raise error
         return
-    state = 2 if error is not None else (1 if _pending_signal else 0)
+    state = 2 if error is not None else (1 if _pending_signal and act_on_signals else 0)
     states = accelerator.gather(torch.tensor([state, _pending_signal[0] if _pending_signal else 0], device=accelerator.device))
     states = states.view(-1, 2).tolist()
     if max(s for s, _ in states) == 0:

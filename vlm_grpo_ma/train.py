@@ -71,7 +71,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                 learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
                 survive.check_inputs_finite(step + 1, scored.rewards, (thought_adv, answer_adv), learning_rate)
             update = update_policy(scorer, batch, prompts, cfg, accelerator, run.optimizer, run.reference, guard)
-            with survive.together(accelerator):  # FSDP: each process checks its shards
+            # FSDP: each process checks its shards. A stop signal waits for the logging block below: the step
+            # is complete there, and stopping here would keep the last checkpoint, losing the steps since it.
+            with survive.together(accelerator, act_on_signals=False):
                 survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
             run.engine.push_weights(policy)  # the next rollout samples from the updated policy
             run.scheduler.step()

@@ -128,7 +128,9 @@ def update_policy(
             grad_norms.append(sharding.clip_grad_norm_(trainable, cfg.train.max_grad_norm))
         else:
             grad_norms.append(float(accelerator.clip_grad_norm_(trainable, cfg.train.max_grad_norm)))
-        with survive.together(accelerator):  # the loss is this process's; the norm is every process's
+        # the loss is this process's; the norm is every process's. After the first iteration's optimizer step
+        # the weights have changed: a stop signal waits for the end of the step (survive.together)
+        with survive.together(accelerator, act_on_signals=guard is None or not guard.weights_changed):
             survive.check_update_finite(stats["loss"], grad_norms[-1])
         if guard is not None:
             guard.weights_changed = True

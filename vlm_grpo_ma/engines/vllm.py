@@ -132,6 +132,7 @@ class VLLMEngine:
             enable_sleep_mode=sleep,
         )
         self.sleep, self.max_images = sleep, max_images
+        self.asleep = False  # put to sleep after sampling (vllm_sleep), woken before the next sample or push
         # The CPU worker replaces torch.set_num_threads with a warning, which image processing then prints
         # thousands of times a step; the thread count is the engine's either way.
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.getMessage())
@@ -158,11 +159,15 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------------------------
 
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
     def push_weights(self, policy: Policy) -> None:
         """Load the policy's current weights into the engine, then drop everything computed with the old ones:
         the encoder cache (image features) and the prefix cache (KV blocks)."""
-        if self.sleep:
-            self.llm.wake_up()
+        self._wake()
         state = merged_state_dict(policy)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
         self.llm.llm_engine.reset_encoder_cache()
@@ -178,9 +183,11 @@ class VLLMEngine:
         num_answers: int,
         settings: SamplingSettings,
     ) -> Rollout:
+        self._wake()  # dynamic sampling samples again before the next push
         tree = self.sample_tree(policy, samples, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=settings)
         if self.sleep:
-            self.llm.sleep(level=1)  # weights to host memory, KV cache freed, until the next push_weights
+            self.llm.sleep(level=1)  # weights to host memory, KV cache freed, until the next sample or push
+            self.asleep = True
         return rollout_from_tree(policy, samples, prompts, tree, num_thoughts=num_thoughts, num_answers=num_answers)
 
     def sample_tree(self, policy, samples, prompts, *, num_thoughts: int, num_answers: int, settings: SamplingSettings) -> TreeSample:
