@@ -172,6 +172,9 @@ def main() -> int:
     dist.all_gather_object(gathered, (result, memory))
     if rank == 0:
         print(json.dumps({"ranks": [r for r, _ in gathered], "memory": [m for _, m in gathered]}), flush=True)
+    # both processes leave the last collective before either tears the group down: a process that destroyed
+    # its gloo pairs while the other still read from them aborted ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
