@@ -52,7 +52,8 @@ PUBLISHED_ROUNDED = 0.005  # a published count rounded to 10M parameters: compar
 
 
 def overrides(model_dir: Path, steps: int) -> list[str]:
-    """The preset's settings, made to fit a CPU: the token limits, K x M and the batch are the only changes."""
+    """The preset's settings, made to fit a CPU: the token limits, K x M, the batch and the engine (hf) are the
+    only changes."""
     pixels = IMAGE_SIDE * IMAGE_SIDE
     return [
         f"model.name_or_path={model_dir}",
@@ -64,6 +65,9 @@ def overrides(model_dir: Path, steps: int) -> list[str]:
         # the tree-shared training forward (each prompt and thought encoded once): ~5x less compute here than
         # re-encoding every row under gradient checkpointing, which makes the CPU run minutes, not an hour
         "model.gradient_checkpointing=false",
+        # the trainer's own sampler: the memory model counts its KV cache (the one-GPU presets name vLLM,
+        # whose engine holds a second copy of the weights and a KV cache of its own size)
+        "rollout.engine=hf",
         "rollout.num_thoughts=2",
         "rollout.num_answers=2",
         "rollout.max_thought_tokens=8",
