@@ -6,7 +6,11 @@ Reward parts (all in [0, 1]):
   ``iou``        IoU, in original-image pixels, between the answer's box and the ground truth; 0.0 without
                  a single answer tag holding a single finite box;
   ``acc_iou50``  1.0 when ``iou >= 0.5`` (the RefCOCO accuracy metric), else 0.0;
-  ``reward``     ``weighted_reward(parts, REWARD_WEIGHTS)``; ``acc_iou50`` is logged, not rewarded.
+  ``right_thought``  only for samples with a reference thought (the embedded scenes: "the large red square
+                 is at the middle right"): 1.0 when the think part is that sentence word for word, else 0.0.
+                 It tells whether the reasoning found the target, apart from how well the box was drawn;
+  ``reward``     ``weighted_reward(parts, REWARD_WEIGHTS)``; ``acc_iou50`` and ``right_thought`` are logged,
+                 not rewarded.
 
 ``iou`` does not require the format: a box in a single ``<answer>`` tag is graded even when the think
 part is missing or text surrounds the tags; the format part is what punishes those.
@@ -98,8 +102,17 @@ def reward(completion: Completion, sample: Sample) -> dict[str, float]:
         "format": float(answer_box(completion) is not None and has_think_answer_format(completion.text)),
         "acc_iou50": float(overlap >= 0.5),
     }
+    reference_thought = sample.meta.get("reference_thought")
+    if reference_thought is not None:
+        parts["right_thought"] = float(right_thought(completion.text, reference_thought))
     parts["reward"] = weighted_reward(parts, REWARD_WEIGHTS)
     return parts
+
+
+def right_thought(text: str, reference_thought: str) -> bool:
+    """Whether the think part of ``text`` is ``reference_thought``, compared word by word (spacing aside)."""
+    thought = extract_tag(text, "think")
+    return thought is not None and thought.split() == str(reference_thought).split()
 
 
 def prediction(completion: Completion, sample: Sample) -> dict | None:
@@ -321,7 +334,7 @@ TASK = register_task(
         load=load,
         reward=reward,
         instruction=INSTRUCTION,
-        metrics=("iou", "format", "acc_iou50"),
+        metrics=("iou", "format", "acc_iou50", "right_thought"),
         reward_weights=dict(REWARD_WEIGHTS),
         success="acc_iou50",
         parse=prediction,

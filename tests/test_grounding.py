@@ -190,7 +190,7 @@ def test_task_is_registered():
     task = get_task("grounding")
     assert task is grounding.TASK
     assert task.load is grounding.load and task.reward is grounding.reward
-    assert task.metrics == ("iou", "format", "acc_iou50")
+    assert task.metrics == ("iou", "format", "acc_iou50", "right_thought")
     assert task.reward_weights == {"iou": 1.0, "format": 0.5}
     assert "<think></think>" in task.instruction and "<answer></answer>" in task.instruction
 
@@ -474,7 +474,7 @@ def test_reference_answer_on_embedded_sample_gets_full_reward(embedded):
     box = ",".join(str(int(v)) for v in sample.answer)
     text = f"<think>{sample.meta['reference_thought']}</think><answer>[{box}]</answer>"
     completion = _completion(text, original_size=(168, 168))
-    _assert_parts(grounding.reward(completion, sample), _expected(1.0, True))
+    _assert_parts(grounding.reward(completion, sample), {**_expected(1.0, True), "right_thought": 1.0})
 
 
 # ---------------------------------------------------------------------------------------------- generator
@@ -509,3 +509,30 @@ def test_write_split_writes_jsonl_the_loader_reads(tmp_path):
     samples = grounding.load(source=str(tmp_path / "test.jsonl"))
     assert [s.id for s in samples] == ["test_00000", "test_00001", "test_00002"]
     assert all(Path(s.images[0]).is_file() for s in samples)
+
+
+@pytest.mark.parametrize(
+    "thought, expected",
+    [
+        ("the large red square is at the middle right", 1.0),
+        ("  the large red  square is at the\nmiddle right ", 1.0),  # spacing aside
+        ("the large red square is at the middle left", 0.0),  # the wrong place
+        ("the large blue square is at the middle right", 0.0),  # the distractor
+        ("the large red square is at the middle right and more", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_right_thought_compares_the_think_part_with_the_reference_word_for_word(thought, expected):
+    sample = _sample()
+    sample.meta["reference_thought"] = "the large red square is at the middle right"
+    parts = grounding.reward(_completion(f"<think>{thought}</think><answer>[20,20,60,60]</answer>"), sample)
+    assert parts["right_thought"] == expected
+    assert parts["reward"] == 1.5  # logged, not rewarded: a perfect box pays the same with any thought
+
+
+def test_right_thought_needs_one_think_part_and_a_reference():
+    sample = _sample()
+    sample.meta["reference_thought"] = "the red square"
+    twice = "<think>the red square</think><think>the red square</think><answer>[20,20,60,60]</answer>"
+    assert grounding.reward(_completion(twice), sample)["right_thought"] == 0.0
+    assert "right_thought" not in grounding.reward(_completion("<think>the red square</think><answer>[1,1,2,2]</answer>"), _sample())

@@ -96,6 +96,8 @@ def summarize_records(task: Task, records: Sequence[dict], samples_per_prompt: i
     metrics: dict[str, float] = {"prompts": len({r["id"] for r in records}), "answers": len(records)}
     for name in ("reward", *task.metrics):
         values = [r["parts"][name] for r in records if name in r["parts"]]
+        if not values and name != "reward" and any(not r.get("error") for r in records):
+            continue  # a part the task writes only for some sources (right_thought needs a reference thought)
         metrics[name] = sum(values) / len(records) if values else 0.0  # a missing part (error) counts as 0
     metrics["thought_tokens"] = sum(r["thought_tokens"] for r in records) / len(records)
     metrics["answer_tokens"] = sum(r["answer_tokens"] for r in records) / len(records)
