@@ -2,21 +2,31 @@
 
 import json
 import math
+import re
 
 import pytest
+import torch
 
 from vlm_grpo_ma import study
 
 
-def _write_run(run_dir, rewards, step_seconds, tokens, noise=None, within=None, spikes=None, evals=()):
+def _write_run(run_dir, rewards, step_seconds, tokens, noise=None, within=None, spikes=None, evals=(), start=0.3, right=None):
+    """A hand-made run: ``evals`` are (step, held-out iou) pairs after the step-0 evaluation at ``start``;
+    accuracy is iou / 2 and the right-thought share ``right`` (or absent)."""
     run_dir.mkdir(parents=True)
-    lines = [json.dumps({"step": 0, "eval/grounding/iou": 0.3})]
+
+    def held_out(value):
+        figures = {"eval/grounding/iou": value, "eval/grounding/accuracy": value / 2}
+        return figures | ({"eval/grounding/right_thought": right} if right is not None else {})
+
+    lines = [json.dumps({"step": 0, **held_out(start)})]
     for i, reward in enumerate(rewards):
         record = {"step": i + 1, "reward/mean": reward, "time/step_seconds": step_seconds, "time/rollout_seconds": step_seconds / 2,
                   "rollout/generated_tokens": tokens, "grpo_ma/thought_value_noise_var": noise,
-                  "grpo_ma/answer_reward_var": within, "train/grad_norm_spike_ratio": (spikes or {}).get(i + 1)}
+                  "grpo_ma/answer_reward_var": within, "train/grad_norm_spike_ratio": (spikes or {}).get(i + 1),
+                  "reward/right_thought": right}
         if i + 1 in dict(evals):
-            record["eval/grounding/iou"] = dict(evals)[i + 1]
+            record |= held_out(dict(evals)[i + 1])
         lines.append(json.dumps(record))
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -26,52 +36,102 @@ def _grid(names, seeds=(0,)):
                       eval_every=5, eval_samples=2)
 
 
-def test_time_and_tokens_to_reach_the_reference_level_hand_computed(tmp_path):
-    grid = _grid(["T16A1", "T4A4"])
-    # T16A1: reward 0 for 10 steps, then 1 for 10; 2 s and 100 tokens a step
-    _write_run(grid.run_dir(tmp_path, grid.settings[0], 0), [0.0] * 10 + [1.0] * 10, 2.0, 100)
-    # T4A4: reward 1.0 from the start, 1 s and 60 tokens a step
-    _write_run(grid.run_dir(tmp_path, grid.settings[1], 0), [1.0] * 20, 1.0, 60, noise=0.01, within=0.04)
-    summaries = [study.SettingSummary(s, [study.read_run(grid.run_dir(tmp_path, s, 0), "grounding", "iou")]) for s in grid.settings]
-    reference, grpo_ma = summaries
-    assert reference.final_reward() == pytest.approx(1.0)
-    gain, error = reference.reward_gain()  # fifths of 4 steps: 0 -> 1; pstdev 0.5 * sqrt(1/4 + 1/4)
-    assert gain == pytest.approx(1.0) and error == pytest.approx(0.5 * math.sqrt(0.5))
-    # 10-step trailing means from step 10 on: 0, 0.1, 0.2, ..., 1.0; the first >= 0.5 is at step 15
-    assert reference.to_reach(0.5) == (15, 30.0, 1500.0)
-    assert reference.to_reach(1.01)[0] is None
-    assert grpo_ma.to_reach(0.5) == (10, 10.0, 600.0)  # never before a full window
-    assert reference.smoothed_reward()[-1] == pytest.approx(1.0)  # the report's target: where T16A1 ends
-    assert reference.to_reach(1.0) == (20, 40.0, 2000.0)
-    assert grpo_ma.rollout_seconds() == pytest.approx(0.5) and grpo_ma.update_seconds() == pytest.approx(0.5)
-    assert grpo_ma.noise_var() == pytest.approx(0.01) and math.isnan(reference.noise_var())
+def _summaries(grid, root):
+    held_out = study.held_out_metrics("grounding")
+    return [study.SettingSummary(s, [study.read_run(grid.run_dir(root, s, seed), "grounding", held_out) for seed in grid.seeds])
+            for s in grid.settings]  # fmt: skip
 
 
-def test_report_table_and_plots(tmp_path):
+def test_crossing_step_interpolates_between_evaluations():
+    steps, values = [0, 25, 50], [0.2, 0.3, 0.5]
+    assert study.crossing_step(steps, values, 0.4) == pytest.approx(37.5)
+    assert study.crossing_step(steps, values, 0.5) == pytest.approx(50.0)
+    assert study.crossing_step(steps, values, 0.1) == 0.0  # there from the start
+    assert study.crossing_step(steps, values, 0.6) is None
+    # a curve that dips: the first crossing counts
+    assert study.crossing_step([0, 10, 20, 30], [0.1, 0.5, 0.2, 0.6], 0.3) == pytest.approx(5.0)
+
+
+def test_wall_time_and_tokens_at_a_fractional_step(tmp_path):
+    grid = _grid(["T4A4"])
+    _write_run(grid.run_dir(tmp_path, grid.settings[0], 0), [0.5] * 4, 2.0, 100)
+    (summary,) = _summaries(grid, tmp_path)
+    run = summary.runs[0]
+    assert run.position(0) == (0.0, 0.0)
+    assert run.position(2.5) == pytest.approx((5.0, 250.0))
+    assert run.position(4) == (8.0, 400.0)
+
+
+def test_time_and_tokens_to_reach_the_reference_held_out_figure_hand_computed(tmp_path):
     grid = _grid(["T16A1", "T4A4", "T2A8"], seeds=(0, 1))
     for seed in (0, 1):
+        # T16A1: held-out 0.3 -> 0.4 -> 0.5 at steps 0, 5, 10; 2 s and 100 tokens a step
         _write_run(grid.run_dir(tmp_path, grid.settings[0], seed), [0.5] * 10, 2.0, 100, evals=[(5, 0.4), (10, 0.5)],
-                   spikes={i: 1.0 for i in range(1, 11)} | {10: 3.0})
+                   spikes={i: 1.0 for i in range(1, 11)} | {10: 3.0}, right=0.5)  # fmt: skip
+        # T4A4: reaches 0.5 at step 5 (seed 0) or 2/5 of the way to step 5 (seed 1, 0.3 -> 0.8); 1 s, 50 tokens
         _write_run(grid.run_dir(tmp_path, grid.settings[1], seed), [0.6] * 10, 1.0, 50, noise=0.02, within=0.08,
-                   evals=[(5, 0.45), (10, 0.55)])
+                   evals=[(5, 0.5 if seed == 0 else 0.8), (10, 0.55)], right=0.6)  # fmt: skip
+        # T2A8: never reaches 0.5
         _write_run(grid.run_dir(tmp_path, grid.settings[2], seed), [0.6] * 10, 1.5, 80, noise=0.01, within=0.08,
-                   evals=[(5, 0.45), (10, 0.55)])
+                   evals=[(5, 0.35), (10, 0.45)], right=0.6)  # fmt: skip
+    reference, grpo_ma, short = _summaries(grid, tmp_path)
+    assert reference.eval_curve("iou") == pytest.approx([0.3, 0.4, 0.5])
+    assert reference.reach("iou", 0.5) == (10.0, 20.0, 1000.0)
+    # seed-mean curve 0.3 -> 0.65 -> 0.55: 0.5 at step 5 * 0.2 / 0.35
+    step, seconds, tokens = grpo_ma.reach("iou", 0.5)
+    assert step == pytest.approx(20 / 7) and seconds == pytest.approx(20 / 7) and tokens == pytest.approx(1000 / 7)
+    assert grpo_ma.reach_per_seed("iou", 0.5) == pytest.approx([5.0, 2.0])
+    assert short.reach("iou", 0.5)[0] is None and all(math.isnan(v) for v in short.reach_per_seed("iou", 0.5))
+
     report = study.write_report(grid, tmp_path, task="grounding", command="python -m vlm_grpo_ma.study").read_text()
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in report.splitlines()
-            if line.startswith("| T")}
-    # target 0.5: T16A1 reaches it at step 10 in 20 s and 1,000 tokens; T4A4 in 10 s (0.50x) and 500 tokens (0.50x)
-    assert rows["T16A1"][:6] == ["0.500", "10", "20", "1.00", "1,000", "1.00"]
-    assert rows["T4A4"][:6] == ["0.600", "10", "10", "0.50", "500", "0.50"]
-    assert rows["T2A8"][3] == "0.75" and rows["T2A8"][5] == "0.80"
-    assert rows["T16A1"][8] == "0.100"  # spike score: 1 step of 10 above 2x
-    summaries = [study.SettingSummary(s, [study.read_run(grid.run_dir(tmp_path, s, 0), "grounding", "iou")]) for s in grid.settings]
-    assert [point[:2] for point in study.noise_points(summaries)] == [("T4A4", 4), ("T2A8", 8)]
-    assert [point[2] for point in study.noise_points(summaries)] == pytest.approx([0.02, 0.01])
-    assert rows["T4A4"][11] == "0.300 -> 0.550"
-    assert "did not rise measurably" in report  # T16A1's reward is flat: the ratios compare noise  # held-out IoU: the step-0 evaluation, then steps 5 and 10
-    for name in ("reward.png", "heldout.png", "noise_vs_m.png", "step_time.png", "spike_score.png"):
-        assert (tmp_path / name).stat().st_size > 1000, name
-        assert f"![{name}]({name})" in report
+            if line.startswith("| T") and "GRPO" in line}  # fmt: skip
+    assert rows["T16A1"][:9] == ["GRPO (flat, prompt baseline)", "0.300 -> 0.500 (0.500-0.500)", "0.15 -> 0.25 (0.25-0.25)",
+                                 "10", "20", "1.00", "1,000", "1.00", "20-20"]  # fmt: skip
+    assert rows["T4A4"][:9] == ["GRPO-MA (thought baseline)", "0.300 -> 0.550 (0.550-0.550)", "0.15 -> 0.28 (0.28-0.28)",
+                                "3", "3", "0.14", "143", "0.14", "2-5"]  # fmt: skip
+    assert rows["T2A8"][3] == "not reached" and rows["T2A8"][8] == "not reached"
+    assert rows["T16A1"][12] == "0.100-0.100"  # spike score: 1 step of 10 above 2x, both seeds
+    assert "**T4A4** (GRPO-MA (thought baseline)) reached it at step 3, in 0.14x T16A1's wall time" in report
+    assert "every seed of it reached the target before every seed of T16A1" in report
+    assert "**T2A8** (GRPO-MA (thought baseline)) did not reach it" in report
+    assert "| T4A4 | 0.60 -> 0.60 (0.60-0.60) | 0.600 -> 0.600 |" in report  # right thoughts: held-out, sampled
+    assert [point[:2] for point in study.noise_points([grpo_ma, short])] == [("T4A4", 4), ("T2A8", 8)]
+    assert [point[2] for point in study.noise_points([grpo_ma, short])] == pytest.approx([0.02, 0.01])
+    linked = re.findall(r"!\[([^]]+)\]\(([^)]+)\)", report)
+    assert {name for name, _ in linked} == {"heldout.png", "accuracy.png", "right_thoughts.png", "reward.png", "step_time.png",
+                                            "spike_score.png", "noise_vs_m.png"}  # fmt: skip
+    for name, target in linked:
+        assert name == target and (tmp_path / target).stat().st_size > 1000, name
+
+
+def test_overlapping_seeds_are_called_noise(tmp_path):
+    grid = _grid(["T16A1", "T4A4"], seeds=(0, 1))
+    for seed, (ref_at, ma_at) in enumerate([(5, 10), (10, 5)]):  # each setting first on one seed
+        _write_run(grid.run_dir(tmp_path, grid.settings[0], seed), [0.5] * 10, 1.0, 100, evals=[(ref_at, 0.5), (15 - ref_at, 0.5)])
+        _write_run(grid.run_dir(tmp_path, grid.settings[1], seed), [0.5] * 10, 1.0, 100, evals=[(ma_at, 0.5), (15 - ma_at, 0.5)])
+    report = study.write_report(grid, tmp_path, task="grounding", command="python -m vlm_grpo_ma.study").read_text()
+    assert "the seeds' own times overlap, so the difference is within seed noise" in report
+
+
+def test_the_variance_section_and_setting(tmp_path):
+    from vlm_grpo_ma import variance
+
+    grid = _grid(["T16A1", "T4A4"])
+    for setting in grid.settings:
+        _write_run(grid.run_dir(tmp_path, setting, 0), [0.5] * 10, 1.0, 100, evals=[(5, 0.4), (10, 0.5)])
+    assert study.variance_setting(grid, None).name == "T4A4"
+    with pytest.raises(ValueError, match="K >= 2"):
+        study.variance_setting(_grid(["T1A4"]), None)
+    with pytest.raises(ValueError, match="the grid has T16A1, T4A4"):
+        study.variance_setting(grid, "T8A2")
+    rewards = torch.rand(2, 4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    results = variance.measure(rewards, (1, 2), resamples=4, scale_by_std=True, eps=1e-6, unbiased=False)
+    variance.write_outputs(results, {"run": "r", "checkpoint": "r@step-10", "prompts": 2, "thoughts": 4, "answers_per_thought": 8},
+                           tmp_path / "variance", 4)  # fmt: skip
+    report = study.write_report(grid, tmp_path, task="grounding", command="c", report_dir=tmp_path / "docs").read_text()
+    assert "## The thought advantage's variance against M, measured" in report and variance.table(results) in report
+    assert (tmp_path / "docs" / "variance.png").is_file() and (tmp_path / "docs" / "report.md").is_file()
 
 
 @pytest.mark.parametrize("name", ["T0A4", "4x4", "T4A", "t4a4"])
@@ -92,7 +152,10 @@ def test_quick_grid_runs_writes_the_report_and_resumes(tmp_path, capsys):
     out = tmp_path / "study"
     assert study.main(["--quick", "--output-dir", str(out), "train.num_threads=1"]) == 0
     report = (out / "report.md").read_text()
-    assert "| T4A1 |" in report and "| T2A2 |" in report and (out / "noise_vs_m.png").is_file()
+    assert "| T4A1 | GRPO" in report and "| T2A2 | GRPO-MA" in report and "| 2 | " in report  # the variance table, M = 2
+    for name in re.findall(r"!\[[^]]+\]\(([^)]+)\)", report):
+        assert (out / name).is_file(), name
+    assert "variance.png" in report and (out / "variance" / "variance.json").is_file()
     # a run interrupted after its first checkpoint continues; finished runs are kept as they are
     interrupted = out / "runs" / "T2A2-seed1"
     kept = (out / "runs" / "T4A1-seed0" / "metrics.jsonl").read_text()
@@ -100,6 +163,6 @@ def test_quick_grid_runs_writes_the_report_and_resumes(tmp_path, capsys):
     capsys.readouterr()
     assert study.main(["--quick", "--output-dir", str(out), "train.num_threads=1"]) == 0
     printed = capsys.readouterr().out
-    assert "T2A2 seed 1: resuming" in printed and printed.count("done earlier, kept") == 3
+    assert "T2A2 seed 1: resuming" in printed and printed.count("done earlier, kept") == 4  # three runs, the variance
     assert (interrupted / "summary.json").is_file()
     assert (out / "runs" / "T4A1-seed0" / "metrics.jsonl").read_text() == kept

@@ -90,3 +90,13 @@ def test_cli_names_bad_values(tmp_path, capsys):
     assert variance.main([str(tmp_path), "--thoughts", "1", "--resamples", "1"]) == 2
     error = capsys.readouterr().err
     assert "--thoughts=1 must be >= 2" in error and "--resamples=1 must be >= 2" in error and "no config.yaml" in error
+
+
+def test_right_thought_signal_compares_right_and_wrong_thoughts_on_prompts_with_both():
+    # prompt 0: right thoughts (k = 0, 1) score 1.0 on average, wrong ones 0.0; prompt 1 has only right thoughts
+    rewards = torch.tensor([[[1.0, 1.0], [0.5, 1.5], [0.0, 0.0], [0.0, 0.0]], [[1.0, 1.0]] * 4], dtype=torch.float64)
+    right = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    signal = variance.right_thought_signal(rewards, right, **NUMERICS)
+    assert signal["prompts_with_both"] == 1 and signal["right_thoughts"] == 6 and signal["wrong_thoughts"] == 2
+    assert signal["value_right"] == 1.0 and signal["value_wrong"] == 0.0
+    assert signal["advantage_right"] == pytest.approx(1.0, abs=1e-5) and signal["advantage_wrong"] == pytest.approx(-1.0, abs=1e-5)

@@ -1,17 +1,18 @@
 """GRPO-MA's claims, measured: ``python -m vlm_grpo_ma.study`` (see ``--help``).
 
-Runs a grid of K x M settings at a fixed answer budget per prompt (default T16A1, T8A2, T4A4, T2A8: 16
-answers each) over several seeds, every run on the same prompts in the same order (the prompt stream and the
-sampling randomness are functions of the seed), then writes ``report.md`` and PNG plots:
+Runs a grid of K x M settings over several seeds (default: T16A1, T8A2, T4A4, T2A8 at 16 answers per prompt,
+and T4A1, GRPO with GRPO-MA's number of thoughts; 3 seeds; 300 steps of the default run's regime), every run on
+the same prompts in the same order (the prompt stream and the sampling randomness are functions of the seed),
+measures the thought advantage's variance against M on the final checkpoint of T4A4's seed 0
+(``vlm_grpo_ma.variance``), then writes ``report.md`` and PNG plots:
 
-- reward and the held-out greedy figure (the task's main metric: IoU for grounding) against steps, wall time
-  and generated tokens, with a band over seeds;
-- the thought advantage's estimation noise (``grpo_ma/thought_value_noise_var``) against M on log-log axes,
-  with the 1/M line through the measured within-thought reward variance;
-- step time per setting, split into sampling and update;
-- the gradient spike score per setting (``diagnostics.spike_score``);
-- a table: the wall time and generated tokens each setting needs to reach the reference setting's (T16A1's)
-  final reward level (its seed-mean reward smoothed over its last 10 steps), as ratios.
+- the held-out greedy figures (the task's main metric, its accuracy, the share of right thoughts) and the
+  training reward against steps, wall time and generated tokens, with a band over seeds;
+- a table: where each setting's seed-mean held-out curve reaches T16A1's final held-out figure, in wall time and
+  generated tokens (ratios to T16A1), each seed's own time, the stage times and the spike score, and a verdict
+  from those numbers;
+- the measured variance of thought values and thought advantages against M, with the 1/M line and predictions;
+- the per-step diagnostic s2 / M against M, the step time per setting (sampling and update), the spike score.
 
 Each run is ``python -m vlm_grpo_ma.train`` in a subprocess with its own run directory under
 ``--output-dir``; a finished run (its ``summary.json`` exists) is not redone, and an interrupted one continues
@@ -25,7 +26,6 @@ import concurrent.futures
 import json
 import math
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -133,6 +133,38 @@ def run_grid(grid: Grid, root: Path, *, task: str, jobs: int = 1, python: str = 
         raise RuntimeError(failures[0])
 
 
+def variance_setting(grid: Grid, name: str | None) -> Setting:
+    """The setting whose seed-0 run's final checkpoint the variance is measured from: ``name``, else T4A4 when
+    the grid has it (the default run's setting), else the first setting with K >= 2."""
+    if name is not None:
+        chosen = next((s for s in grid.settings if s.name == name), None)
+        if chosen is None or chosen.num_thoughts < 2:
+            raise ValueError(f"--variance-from {name}: must be a setting of the grid with K >= 2; the grid has "
+                             f"{', '.join(s.name for s in grid.settings)}")  # fmt: skip
+        return chosen
+    with_thoughts = [s for s in grid.settings if s.num_thoughts >= 2]
+    if not with_thoughts:
+        raise ValueError("the variance needs a setting with K >= 2 thoughts; the grid has none (or pass --variance-resamples 0)")
+    return next((s for s in with_thoughts if s.name == "T4A4"), with_thoughts[0])
+
+
+def run_variance(grid: Grid, root: Path, setting: Setting, *, resamples: int, answers: tuple[int, ...], prompts: int,
+                 python: str = sys.executable, log=print) -> None:  # fmt: skip
+    """``python -m vlm_grpo_ma.variance`` on the final checkpoint of ``setting``'s seed-0 run, into root/variance
+    (kept when already there)."""
+    out = root / "variance"
+    if (out / "variance.json").is_file():
+        log("variance: done earlier, kept")
+        return
+    run_dir = grid.run_dir(root, setting, grid.seeds[0])
+    command = [python, "-m", "vlm_grpo_ma.variance", str(run_dir), "--out", str(out), "--resamples", str(resamples),
+               "--prompts", str(prompts), "--thoughts", str(setting.num_thoughts), "--answers", *map(str, answers)]  # fmt: skip
+    log(f"variance: redrawing answers of {run_dir.name}'s final checkpoint")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the variance measurement failed (exit {done.returncode}). Last output:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Reading the runs
 
@@ -142,9 +174,18 @@ def _value(record: dict, key: str) -> float:
     return math.nan if value is None else float(value)
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """The held-out figures the study reports, as ``eval/<task>/<name>`` keys of metrics.jsonl."""
+
+    main: str  # the task's main metric (grounding: iou)
+    accuracy: str = "accuracy"  # the mean of the task's success part (grounding: Acc@0.5)
+    right_thought: str = "right_thought"  # the share of thoughts naming the target (tasks that can tell)
+
+
 @dataclass
 class RunCurves:
-    """One run's per-step series (training steps only; held-out evaluations separately)."""
+    """One run's per-step series (training steps only) and its held-out evaluations."""
 
     steps: list[int]
     reward: list[float]
@@ -157,28 +198,38 @@ class RunCurves:
     spike_ratios: list[float]
     thought_tokens: list[float]  # mean per thought, per step
     answer_tokens: list[float]
+    sampled_right_thought: list[float]  # per step, the share of sampled thoughts naming the target (nan: unknown)
     eval_steps: list[int]
-    eval_value: list[float]  # the task's main held-out metric
+    eval_values: dict[str, list[float]]  # HeldOut name -> one value per evaluation (nan where not logged)
+
+    def position(self, step: float) -> tuple[float, float]:
+        """(cumulative wall seconds, cumulative generated tokens) at a step, fractional steps interpolated (0: 0)."""
+        steps, seconds, tokens = [0, *self.steps], [0.0, *self.seconds], [0.0, *self.tokens]
+        index = next((i for i, s in enumerate(steps) if s >= step), len(steps) - 1)
+        if index == 0 or steps[index] == step:
+            return seconds[index], tokens[index]
+        low = index - 1
+        part = (step - steps[low]) / (steps[index] - steps[low])
+        return seconds[low] + part * (seconds[index] - seconds[low]), tokens[low] + part * (tokens[index] - tokens[low])
 
 
-def held_out_metric(task: str) -> str:
-    """The held-out figure the study plots: the task's main metric (grounding: iou; math: accuracy)."""
+def held_out_metrics(task: str) -> HeldOut:
+    """The held-out figures of ``task``: its main metric (grounding: iou; math: accuracy) and the others."""
     from vlm_grpo_ma.registry import get_task
 
-    return get_task(task).metrics[0]
+    return HeldOut(main=get_task(task).metrics[0])
 
 
-def read_run(run_dir: Path, task: str, metric: str) -> RunCurves:
+def read_run(run_dir: Path, task: str, held_out: HeldOut) -> RunCurves:
     records = read_metrics(run_dir)
     training = [r for r in records if r["step"] > 0 and "reward/mean" in r]
-    evaluations = [r for r in records if f"eval/{task}/{metric}" in r]
+    evaluations = [r for r in records if f"eval/{task}/{held_out.main}" in r]
     step_seconds = [_value(r, "time/step_seconds") for r in training]
-    tokens = [_value(r, "rollout/generated_tokens") for r in training]
     return RunCurves(
         steps=[r["step"] for r in training],
         reward=[_value(r, "reward/mean") for r in training],
         seconds=_cumulative(step_seconds),
-        tokens=_cumulative(tokens),
+        tokens=_cumulative([_value(r, "rollout/generated_tokens") for r in training]),
         rollout_seconds=[_value(r, "time/rollout_seconds") for r in training],
         step_seconds=step_seconds,
         noise_var=[_value(r, "grpo_ma/thought_value_noise_var") for r in training],
@@ -186,8 +237,9 @@ def read_run(run_dir: Path, task: str, metric: str) -> RunCurves:
         spike_ratios=[_value(r, "train/grad_norm_spike_ratio") for r in training],
         thought_tokens=[_value(r, "rollout/thought_tokens") for r in training],
         answer_tokens=[_value(r, "rollout/answer_tokens") for r in training],
+        sampled_right_thought=[_value(r, f"reward/{held_out.right_thought}") for r in training],
         eval_steps=[r["step"] for r in evaluations],
-        eval_value=[_value(r, f"eval/{task}/{metric}") for r in evaluations],
+        eval_values={name: [_value(r, f"eval/{task}/{name}") for r in evaluations] for name in vars(held_out).values()},
     )
 
 
@@ -219,10 +271,14 @@ def seed_mean(series: list[list[float]]) -> list[float]:
     return [_mean(s[i] for s in series) for i in range(length)]
 
 
-def first_crossing(values: list[float], target: float, start: int = SMOOTHING_STEPS - 1) -> int | None:
-    """The index of the first value >= target from ``start`` on (the first index with a full smoothing
-    window: a trailing mean over fewer steps is one noisy step), or None."""
-    return next((i for i in range(start, len(values)) if values[i] >= target), None)
+def crossing_step(steps: list[int], values: list[float], target: float) -> float | None:
+    """The step at which the curve (``values`` at ``steps``) first reaches ``target``, linearly interpolated
+    between the evaluation before and the first one at or above it; None when it never does."""
+    index = next((i for i, v in enumerate(values) if v >= target), None)
+    if index is None or index == 0:
+        return None if index is None else float(steps[0])
+    low, high = values[index - 1], values[index]
+    return steps[index - 1] + (target - low) / (high - low) * (steps[index] - steps[index - 1])
 
 
 @dataclass
@@ -230,24 +286,48 @@ class SettingSummary:
     setting: Setting
     runs: list[RunCurves]
 
-    def smoothed_reward(self) -> list[float]:
-        return smooth(seed_mean([r.reward for r in self.runs]))
+    def eval_curve(self, name: str) -> list[float]:
+        return seed_mean([r.eval_values[name] for r in self.runs])
+
+    def eval_steps(self) -> list[int]:
+        return self.runs[0].eval_steps[: len(self.eval_curve(next(iter(self.runs[0].eval_values))))]
+
+    def eval_change(self, name: str, spec: str = ".3f") -> str:
+        """'start -> end (lowest-highest seed at the end)' of the seed-mean held-out figure ``name``."""
+        curve = self.eval_curve(name)
+        if not curve or all(math.isnan(v) for v in curve):
+            return "n/a"
+        ends = [r.eval_values[name][len(curve) - 1] for r in self.runs]
+        spread = f" ({format(min(ends), spec)}-{format(max(ends), spec)})" if len(ends) > 1 else ""
+        return f"{format(curve[0], spec)} -> {format(curve[-1], spec)}{spread}"
 
     def final_reward(self) -> float:
         """The seed-mean reward over the last fifth of the steps."""
         reward = seed_mean([r.reward for r in self.runs])
         return _mean(reward[-max(1, len(reward) // 5) :])
 
-    def reward_gain(self) -> tuple[float, float]:
-        """(last-fifth minus first-fifth seed-mean reward, the standard error of that difference)."""
-        reward = seed_mean([r.reward for r in self.runs])
-        fifth = max(1, len(reward) // 5)
-        first, last = reward[:fifth], reward[-fifth:]
-        spread = statistics.pstdev(first + last) if len(first + last) > 1 else math.nan
-        return _mean(last) - _mean(first), spread * math.sqrt(1 / len(first) + 1 / len(last))
+    def reach(self, name: str, target: float) -> tuple[float | None, float, float]:
+        """(step, seed-mean wall seconds, seed-mean generated tokens) where the seed-mean held-out curve of ``name``
+        first reaches ``target``; (None, nan, nan) when it never does."""
+        step = crossing_step(self.eval_steps(), self.eval_curve(name), target)
+        if step is None:
+            return None, math.nan, math.nan
+        at = [r.position(step) for r in self.runs]
+        return step, _mean(a[0] for a in at), _mean(a[1] for a in at)
+
+    def reach_per_seed(self, name: str, target: float) -> list[float]:
+        """Each seed's own wall seconds to reach ``target`` on its own held-out curve (nan: not reached)."""
+        out = []
+        for run in self.runs:
+            step = crossing_step(run.eval_steps, run.eval_values[name], target)
+            out.append(math.nan if step is None else run.position(step)[0])
+        return out
 
     def noise_var(self) -> float:
         return _mean(v for r in self.runs for v in r.noise_var)
+
+    def noise_var_per_seed(self) -> list[float]:
+        return [_mean(r.noise_var) for r in self.runs]
 
     def answer_var(self) -> float:
         return _mean(v for r in self.runs for v in r.answer_var)
@@ -258,10 +338,11 @@ class SettingSummary:
     def update_seconds(self) -> float:
         return _mean(s - g for r in self.runs for s, g in zip(r.step_seconds, r.rollout_seconds, strict=True))
 
-    def held_out_change(self) -> str:
-        """The seed-mean held-out metric at the first and the last evaluation."""
-        values = seed_mean([r.eval_value for r in self.runs])
-        return f"{values[0]:.3f} -> {values[-1]:.3f}" if values else "n/a"
+    def step_seconds_per_seed(self) -> list[float]:
+        return [_mean(r.step_seconds) for r in self.runs]
+
+    def tokens_per_step(self) -> float:
+        return _mean(r.tokens[-1] / len(r.tokens) for r in self.runs if r.tokens)
 
     def thought_tokens(self) -> float:
         return _mean(v for r in self.runs for v in r.thought_tokens)
@@ -269,39 +350,90 @@ class SettingSummary:
     def answer_tokens(self) -> float:
         return _mean(v for r in self.runs for v in r.answer_tokens)
 
-    def spike_score(self) -> float:
-        return _mean(spike_score(r.spike_ratios) for r in self.runs)
+    def sampled_right_thought(self) -> tuple[float, float]:
+        """The seed-mean share of sampled thoughts naming the target, first fifth and last fifth of the steps."""
+        curve = seed_mean([r.sampled_right_thought for r in self.runs])
+        fifth = max(1, len(curve) // 5)
+        return _mean(curve[:fifth]), _mean(curve[-fifth:])
 
-    def to_reach(self, target: float) -> tuple[int | None, float, float]:
-        """(step, seed-mean wall seconds, seed-mean generated tokens) at which the smoothed seed-mean reward
-        first reaches ``target``; (None, nan, nan) when it never does."""
-        index = first_crossing(self.smoothed_reward(), target)
-        if index is None:
-            return None, math.nan, math.nan
-        return (self.runs[0].steps[index], _mean(r.seconds[index] for r in self.runs), _mean(r.tokens[index] for r in self.runs))
+    def spike_scores(self) -> list[float]:
+        return [spike_score(r.spike_ratios) for r in self.runs]
+
+    def spike_score(self) -> float:
+        return _mean(self.spike_scores())
+
+
+def objective(setting: Setting) -> str:
+    """What the setting trains (``Setting.overrides``): M = 1 is GRPO; M >= 2 GRPO-MA with the defaults."""
+    return "GRPO (flat, prompt baseline)" if setting.num_answers == 1 else "GRPO-MA (thought baseline)"
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The report
 
 
-def write_report(grid: Grid, root: Path, *, task: str, command: str) -> Path:
-    metric = held_out_metric(task)
-    summaries = [
-        SettingSummary(s, [read_run(grid.run_dir(root, s, seed), task, metric) for seed in grid.seeds]) for s in grid.settings
-    ]
+def _spread(values: list[float], spec: str) -> str:
+    known = [v for v in values if not math.isnan(v)]
+    if not known:
+        return "not reached"
+    text = "-".join(format(v, spec) for v in (min(known), max(known))) if len(known) > 1 else format(known[0], spec)
+    return text + ("" if len(known) == len(values) else f"; {len(values) - len(known)} of {len(values)} seeds not reached")
+
+
+def verdict(summaries: list[SettingSummary], reference: SettingSummary, name: str, target: float) -> list[str]:
+    """One line per setting against the reference: how much of its wall time and tokens the setting needed to
+    reach the target, and whether the seeds' own times separate (every seed of one faster than every seed of
+    the other) or overlap."""
+    _, ref_seconds, ref_tokens = reference.reach(name, target)
+    ref_seeds = [v for v in reference.reach_per_seed(name, target) if not math.isnan(v)]
+    lines = []
+    for s in summaries:
+        if s is reference:
+            continue
+        step, seconds, tokens = s.reach(name, target)
+        if step is None:
+            lines.append(f"- **{s.setting.name}** ({objective(s.setting)}) did not reach it on its seed mean within {s.runs[0].steps[-1]} steps.")
+            continue
+        seeds = [v for v in s.reach_per_seed(name, target) if not math.isnan(v)]
+        if seeds and ref_seeds and len(seeds) == len(s.runs) and max(seeds) < min(ref_seeds):
+            separation = "every seed of it reached the target before every seed of " + reference.setting.name
+        elif seeds and ref_seeds and min(seeds) > max(ref_seeds) and len(ref_seeds) == len(reference.runs):
+            separation = "every seed of " + reference.setting.name + " reached the target before every seed of it"
+        else:
+            separation = "the seeds' own times overlap, so the difference is within seed noise"
+        lines.append(
+            f"- **{s.setting.name}** ({objective(s.setting)}) reached it at step {step:.0f}, in {_ratio(seconds, ref_seconds)}x "
+            f"{reference.setting.name}'s wall time and {_ratio(tokens, ref_tokens)}x its generated tokens; {separation}."
+        )
+    return lines
+
+
+def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir: Path | None = None) -> Path:
+    """report.md and its plots in ``report_dir`` (default: ``root``), from the runs under ``root``."""
+    from vlm_grpo_ma import variance
+
+    report_dir = report_dir or root
+    report_dir.mkdir(parents=True, exist_ok=True)
+    held_out = held_out_metrics(task)
+    summaries = [SettingSummary(s, [read_run(grid.run_dir(root, s, seed), task, held_out) for seed in grid.seeds]) for s in grid.settings]
     reference = next((s for s in summaries if s.setting.name == "T16A1"), summaries[0])
+    main = held_out.main
+    has_thoughts = any(not all(math.isnan(v) for r in s.runs for v in r.eval_values[held_out.right_thought]) for s in summaries)
+    measured = variance.read_outputs(root / "variance")
     plots = {
-        "reward.png": plot_curves(summaries, root / "reward.png", "reward", "mean reward (smoothed)"),
-        "heldout.png": plot_curves(summaries, root / "heldout.png", "eval", f"held-out greedy {task} {metric}"),
-        "noise_vs_m.png": plot_noise(summaries, root / "noise_vs_m.png"),
-        "step_time.png": plot_step_time(summaries, root / "step_time.png"),
-        "spike_score.png": plot_spikes(summaries, root / "spike_score.png"),
+        "heldout.png": plot_curves(summaries, report_dir / "heldout.png", main, f"held-out greedy {task} {main}"),
+        "accuracy.png": plot_curves(summaries, report_dir / "accuracy.png", held_out.accuracy, f"held-out greedy {task} accuracy"),
+        "right_thoughts.png": has_thoughts and plot_curves(summaries, report_dir / "right_thoughts.png", held_out.right_thought,
+                                                           "held-out share of right thoughts"),  # fmt: skip
+        "reward.png": plot_curves(summaries, report_dir / "reward.png", None, "mean training reward (smoothed)"),
+        "variance.png": measured is not None and _plot_variance(measured[0], report_dir / "variance.png"),
+        "noise_vs_m.png": plot_noise(summaries, report_dir / "noise_vs_m.png"),
+        "step_time.png": plot_step_time(summaries, report_dir / "step_time.png"),
+        "spike_score.png": plot_spikes(summaries, report_dir / "spike_score.png"),
     }
-    target = reference.smoothed_reward()[-1]  # where the reference ends: it reaches it by its last step
-    ref_step, ref_seconds, ref_tokens = reference.to_reach(target)
-    gain, gain_error = reference.reward_gain()
-    learned = gain > 2 * gain_error
+    target = reference.eval_curve(main)[-1] if reference.eval_curve(main) else math.nan
+    _, ref_seconds, ref_tokens = reference.reach(main, target)
+    link = lambda name: [f"![{name}]({name})", ""] if plots.get(name) else []  # noqa: E731
     lines = [
         "# GRPO-MA study",
         "",
@@ -309,45 +441,103 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str) -> Path:
         "",
         f"Task {task}; settings {', '.join(s.setting.name for s in summaries)}; seeds {', '.join(map(str, grid.seeds))}; "
         f"{grid.steps} steps of {grid.prompts_per_step} prompts; held-out greedy evaluation of {grid.eval_samples} "
-        f"samples every {grid.eval_every} steps. Every run sees the same prompts in the same order.",
+        f"samples before step 1 and every {grid.eval_every} steps. Every run sees the same prompts in the same order; "
+        f"extra overrides: {' '.join(grid.extra) or 'none'}. Wall time is the training steps' own (evaluations excluded). "
+        "Objectives: M = 1 rows train GRPO (`algorithm.advantage_estimator=grpo`, each thought + answer one sequence, "
+        "the prompt's answers as baseline); M >= 2 rows train GRPO-MA with the project's defaults (answer baseline: the "
+        "thought's answers).",
         "",
-        f"## Time and tokens to reach {reference.setting.name}'s reward level",
+        f"## Time and tokens to reach {reference.setting.name}'s final held-out {main}",
         "",
-        f"Target: {reference.setting.name}'s final seed-mean reward, smoothed over its last {SMOOTHING_STEPS} steps, {target:.3f}. "
-        "A setting reaches it at the "
-        f"first step (from step {SMOOTHING_STEPS} on) where its seed-mean reward, smoothed over {SMOOTHING_STEPS} steps, is at "
-        f"least the target. {reference.setting.name} gained {gain:+.3f} from its first to its last fifth (standard error "
-        f"{gain_error:.3f}). "
-        + ("" if learned else "**That gain is within two standard errors of 0: the reward did not rise measurably in this "
-           "grid, so the time and tokens to reach the target below compare noise, not learning.**"),
+        f"Target: {reference.setting.name}'s seed-mean held-out {main} at its last evaluation, {_fmt(target, '.3f')}. A setting "
+        f"reaches it where its seed-mean held-out curve first does (linearly interpolated between evaluations); its "
+        "wall time and tokens are the seed means at that step. Per seed: each seed's own curve against the same target.",
         "",
-        f"| setting | final reward | step reached | wall time (s) | ratio | generated tokens | ratio | sampling s/step | update s/step | spike score | thought-value noise var | within-thought reward var | held-out {metric}, start -> end | thought / answer tokens |",
+        f"| setting | objective | held-out {main}, start -> end (seeds at the end) | held-out accuracy | step reached | wall time (s) | ratio | "
+        "generated tokens | ratio | per-seed wall time to reach (s) | sampling s/step | update s/step | tokens/step | spike score |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
-        step, seconds, tokens = s.to_reach(target)
+        step, seconds, tokens = s.reach(main, target)
         lines.append(
-            f"| {s.setting.name} | {s.final_reward():.3f} | {step if step is not None else 'not reached'} | "
-            f"{_fmt(seconds, '.0f')} | {_ratio(seconds, ref_seconds)} | {_fmt(tokens, ',.0f')} | {_ratio(tokens, ref_tokens)} | "
-            f"{s.rollout_seconds():.3f} | {s.update_seconds():.3f} | {_fmt(s.spike_score(), '.3f')} | "
-            f"{_fmt(s.noise_var(), '.4f')} | {_fmt(s.answer_var(), '.4f')} | {s.held_out_change()} | "
-            f"{_fmt(s.thought_tokens(), '.1f')} / {_fmt(s.answer_tokens(), '.1f')} |"
+            f"| {s.setting.name} | {objective(s.setting)} | {s.eval_change(main)} | {s.eval_change(held_out.accuracy, '.2f')} | "
+            f"{'not reached' if step is None else f'{step:.0f}'} | {_fmt(seconds, '.0f')} | {_ratio(seconds, ref_seconds)} | "
+            f"{_fmt(tokens, ',.0f')} | {_ratio(tokens, ref_tokens)} | {_spread(s.reach_per_seed(main, target), '.0f')} | "
+            f"{s.rollout_seconds():.3f} | {s.update_seconds():.3f} | {_fmt(s.tokens_per_step(), ',.0f')} | "
+            f"{_spread(s.spike_scores(), '.3f')} |"
         )
+    lines += ["", "**Verdict** (from the table):", "", *verdict(summaries, reference, main, target), ""]
+    lines += [*link("heldout.png"), *link("accuracy.png"), *link("reward.png"), *link("step_time.png")]
     lines += [
+        "Spike score: the share of steps whose grad norm exceeds twice the median of the previous 10 steps "
+        "(seed range in the table).",
         "",
-        "Noise columns: `grpo_ma/thought_value_noise_var` (the sampling variance of a thought's mean reward, s2 / M) "
-        "and `grpo_ma/answer_reward_var` (s2, the variance of single rewards within a thought), averaged over steps "
-        "and seeds; M = 1 cannot estimate either. The thought advantage's noise falls like 1/M exactly when s2 does "
-        "not change with M: in noise_vs_m.png the 1/M line is anchored at the smallest M, and the other settings' "
-        "points sit on it as far as their s2 agree. "
-        "Spike score: the share of steps whose grad norm exceeds twice the median of the previous 10 steps.",
-        "",
-        *[f"![{name}]({name})" for name, made in plots.items() if made],
-        "",
+        *link("spike_score.png"),
     ]
-    report = root / "report.md"
-    report.write_text("\n".join(lines))
+    if has_thoughts:
+        lines += [
+            "## Thoughts",
+            "",
+            "The share of thoughts that name the target word for word (`right_thought`: held-out greedy thoughts, and "
+            "sampled thoughts in training, first and last fifth of the steps).",
+            "",
+            "| setting | held-out right thoughts, start -> end (seeds at the end) | sampled right thoughts, first -> last fifth |",
+            "|---|---|---|",
+        ]
+        for s in summaries:
+            first, last = s.sampled_right_thought()
+            lines.append(f"| {s.setting.name} | {s.eval_change(held_out.right_thought, '.2f')} | {_fmt(first, '.3f')} -> {_fmt(last, '.3f')} |")
+        lines += ["", *link("right_thoughts.png")]
+    if measured is not None:
+        results, about = measured
+        lines += [
+            "## The thought advantage's variance against M, measured",
+            "",
+            f"`python -m vlm_grpo_ma.variance {about['run']} --out {root / 'variance'} --resamples {about['resamples']}` "
+            f"({about['checkpoint']}): {about['prompts']} held-out prompts x {about['thoughts']} thoughts sampled once; "
+            f"{about['answers_per_thought']} answers per thought from its KV cache, split into {about['resamples']} disjoint "
+            "redraws of M answers. Variances across the redraws, averaged over the thoughts (95% bootstrap interval over "
+            "thoughts); `x M` is the variance times M, constant where the variance falls like 1/M.",
+            "",
+            variance.table(results),
+            "",
+            *link("variance.png"),
+        ]
+        signal = about.get("right_thoughts")
+        if signal:
+            lines += [
+                f"Right against wrong thoughts on the same prompts ({signal['prompts_with_both']} of the {about['prompts']} prompts "
+                f"hold both; {signal['right_thoughts']} right and {signal['wrong_thoughts']} wrong thoughts in all): mean value "
+                f"{_fmt(signal['value_right'], '.3f')} against {_fmt(signal['value_wrong'], '.3f')}, and thought advantage at those "
+                f"values (what an unlimited M would give) {_fmt(signal['advantage_right'], '+.2f')} against "
+                f"{_fmt(signal['advantage_wrong'], '+.2f')}.",
+                "",
+            ]
+    lines += [
+        "## The per-step noise diagnostic",
+        "",
+        "`grpo_ma/thought_value_noise_var` is s2 / M computed from each step's own answers (s2: the variance of single "
+        "rewards within a thought, `grpo_ma/answer_reward_var`). It falls like 1/M by its definition whenever s2 stays "
+        "the same; it is a cheap per-step diagnostic of how noisy the thought values are, not a measurement of the law "
+        "(the section above is).",
+        "",
+        "| setting | s2 / M (mean over steps and seeds) | s2 | thought / answer tokens |",
+        "|---|---|---|---|",
+        *[f"| {s.setting.name} | {_fmt(s.noise_var(), '.4f')} | {_fmt(s.answer_var(), '.4f')} | "
+          f"{_fmt(s.thought_tokens(), '.1f')} / {_fmt(s.answer_tokens(), '.1f')} |" for s in summaries],  # fmt: skip
+        "",
+        *link("noise_vs_m.png"),
+    ]
+    report = report_dir / "report.md"
+    report.write_text("\n".join(lines).rstrip() + "\n")
     return report
+
+
+def _plot_variance(results, path: Path) -> bool:
+    from vlm_grpo_ma import variance
+
+    variance.plot(results, path)
+    return True
 
 
 def _fmt(value: float, spec: str) -> str:
@@ -375,27 +565,25 @@ def _save(figure, path: Path) -> None:
     _pyplot().close(figure)
 
 
-def plot_curves(summaries: list[SettingSummary], path: Path, kind: str, ylabel: str) -> bool:
+def plot_curves(summaries: list[SettingSummary], path: Path, name: str | None, ylabel: str) -> bool:
     """Three panels (against steps, wall time, generated tokens); a line per setting (seed mean) and a band
-    from the lowest to the highest seed."""
+    from the lowest to the highest seed. ``name``: a held-out figure; None: the smoothed training reward."""
     plt = _pyplot()
     figure, axes = plt.subplots(1, 3, figsize=(15, 4))
     drawn = False
     for s in summaries:
-        if kind == "reward":
-            ys = [smooth(r.reward) for r in s.runs]
-            xs_steps = s.runs[0].steps
+        if name is None:
+            ys, xs_steps = [smooth(r.reward) for r in s.runs], s.runs[0].steps
         else:
-            ys = [r.eval_value for r in s.runs]
-            xs_steps = s.runs[0].eval_steps
+            ys, xs_steps = [r.eval_values[name] for r in s.runs], s.runs[0].eval_steps
         length = min(map(len, ys)) if ys else 0
-        if length == 0:
+        if length == 0 or all(math.isnan(v) for y in ys for v in y):
             continue
         ys = [y[:length] for y in ys]
         mean = seed_mean(ys)
         low = [min(y[i] for y in ys) for i in range(length)]
         high = [max(y[i] for y in ys) for i in range(length)]
-        at = [_x_positions(s, step) for step in xs_steps[:length]]
+        at = [(float(step), *_seed_mean_position(s, step)) for step in xs_steps[:length]]
         for axis, column in zip(axes, range(3), strict=True):
             xs = [a[column] for a in at]
             (line,) = axis.plot(xs, mean, label=s.setting.name)
@@ -413,39 +601,43 @@ def plot_curves(summaries: list[SettingSummary], path: Path, kind: str, ylabel: 
     return drawn
 
 
-def _x_positions(s: SettingSummary, step: int) -> tuple[float, float, float]:
-    """(step, seed-mean cumulative seconds, seed-mean cumulative tokens) at ``step`` (0: the start)."""
-    if step == 0:
-        return 0.0, 0.0, 0.0
-    index = s.runs[0].steps.index(step)
-    return float(step), _mean(r.seconds[index] for r in s.runs), _mean(r.tokens[index] for r in s.runs)
+def _seed_mean_position(s: SettingSummary, step: float) -> tuple[float, float]:
+    at = [r.position(step) for r in s.runs]
+    return _mean(a[0] for a in at), _mean(a[1] for a in at)
 
 
-def noise_points(summaries: list[SettingSummary]) -> list[tuple[str, int, float]]:
-    """(setting, M, thought-value noise variance) of the settings with M >= 2, by M."""
-    points = [(s.setting.name, s.setting.num_answers, s.noise_var()) for s in summaries if s.setting.num_answers > 1]
+def _error_bars(per_seed: list[list[float]], means: list[float]) -> list[list[float]]:
+    """matplotlib's yerr from each bar's seed values: [below, above] the mean, to the lowest and highest seed."""
+    below = [max(0.0, m - min(v)) if v else 0.0 for m, v in zip(means, per_seed, strict=True)]  # max(): rounding
+    above = [max(0.0, max(v) - m) if v else 0.0 for m, v in zip(means, per_seed, strict=True)]
+    return [below, above]
+
+
+def noise_points(summaries: list[SettingSummary]) -> list[tuple[str, int, float, list[float]]]:
+    """(setting, M, thought-value noise variance, its per-seed values) of the settings with M >= 2, by M."""
+    points = [(s.setting.name, s.setting.num_answers, s.noise_var(), s.noise_var_per_seed()) for s in summaries if s.setting.num_answers > 1]
     return sorted((p for p in points if not math.isnan(p[2]) and p[2] > 0), key=lambda p: p[1])
 
 
 def plot_noise(summaries: list[SettingSummary], path: Path) -> bool:
-    """Each setting's thought-value noise (its own s2 / M) against M, log-log, with the 1/M line anchored at the
-    smallest M: the other points sit on it when the within-thought variance s2 does not change with M, that is
-    when more answers per thought shrink the thought advantage's noise like 1/M."""
+    """Each setting's per-step s2 / M against M, log-log, with seed ranges and the 1/M line through the smallest M."""
     points = noise_points(summaries)
     if not points:
         return False
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(5.5, 4))
-    anchor_name, anchor_m, anchor_noise = points[0]
+    anchor_name, anchor_m, anchor_noise, _ = points[0]
     ms = [m for m in (1, 2, 4, 8, 16, 32, 64) if m <= 2 * points[-1][1]]
     axis.plot(ms, [anchor_noise * anchor_m / m for m in ms], "--", color="grey", label=f"1/M through {anchor_name}")
-    axis.plot([p[1] for p in points], [p[2] for p in points], "o", markersize=8, label="measured: s2 / M per setting")
-    for name, m, noise in points:
+    per_seed = [[v for v in p[3] if not math.isnan(v)] for p in points]
+    axis.errorbar([p[1] for p in points], [p[2] for p in points], yerr=_error_bars(per_seed, [p[2] for p in points]),
+                  fmt="o", capsize=3, label="s2 / M per step (seed range)")  # fmt: skip
+    for name, m, noise, _ in points:
         axis.annotate(name, (m, noise), textcoords="offset points", xytext=(6, 4))
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
     axis.set_xlabel("M (answers per thought)")
-    axis.set_ylabel("variance of a thought's mean reward")
+    axis.set_ylabel("s2 / M (per-step diagnostic)")
     axis.grid(alpha=0.3, which="both")
     axis.legend()
     _save(figure, path)
@@ -454,13 +646,16 @@ def plot_noise(summaries: list[SettingSummary], path: Path) -> bool:
 
 def plot_step_time(summaries: list[SettingSummary], path: Path) -> bool:
     plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(5.5, 4))
+    figure, axis = plt.subplots(figsize=(6.5, 4))
     names = [s.setting.name for s in summaries]
     sampling = [s.rollout_seconds() for s in summaries]
     update = [s.update_seconds() for s in summaries]
+    totals = [a + b for a, b in zip(sampling, update, strict=True)]
+    per_seed = [[v for v in s.step_seconds_per_seed() if not math.isnan(v)] for s in summaries]
     axis.bar(names, sampling, label="sampling")
-    axis.bar(names, update, bottom=sampling, label="update (scoring, loss, backward, step)")
-    axis.set_ylabel("seconds per step (mean over steps and seeds)")
+    axis.bar(names, update, bottom=sampling, label="update (scoring, loss, backward, step)",
+             yerr=_error_bars(per_seed, totals), capsize=3)  # fmt: skip
+    axis.set_ylabel("seconds per step (seed range of the total)")
     axis.legend()
     _save(figure, path)
     return True
@@ -471,8 +666,10 @@ def plot_spikes(summaries: list[SettingSummary], path: Path) -> bool:
     if all(math.isnan(v) for v in scores):
         return False
     plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(5.5, 4))
-    axis.bar([s.setting.name for s in summaries], [0.0 if math.isnan(v) else v for v in scores])
+    figure, axis = plt.subplots(figsize=(6.5, 4))
+    per_seed = [[v for v in s.spike_scores() if not math.isnan(v)] for s in summaries]
+    means = [0.0 if math.isnan(v) else v for v in scores]
+    axis.bar([s.setting.name for s in summaries], means, yerr=_error_bars(per_seed, means), capsize=3)
     axis.set_ylabel("spike score (share of steps > 2x running median)")
     _save(figure, path)
     return True
@@ -500,6 +697,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1; give each train.num_threads=1 "
                         "with --jobs 2 on 2 cores, so that every run has one core and the step times stay comparable)")
     parser.add_argument("--output-dir", default="runs/study", help="where runs, report.md and plots go (default runs/study)")
+    parser.add_argument("--report-dir", help="where report.md and its plots go (default: --output-dir)")
+    parser.add_argument("--variance-from", help="the setting whose seed-0 final checkpoint the variance is measured from "
+                        "(default: T4A4 when in the grid, else the first with K >= 2)")
+    parser.add_argument("--variance-resamples", type=int, help="redraws per M of the variance measurement (default 32; "
+                        "--quick 2; 0 skips it)")
     parser.add_argument("--report-only", action="store_true", help="write the report from the runs already there")
     parser.add_argument("overrides", nargs="*", help="train overrides applied to every run, e.g. train.num_threads=1")
     return parser
@@ -535,6 +737,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_intermixed_args(argv)
     try:
         grid = grid_from_args(args)
+        resamples = args.variance_resamples if args.variance_resamples is not None else (2 if args.quick else 32)
+        if resamples == 1 or resamples < 0:
+            raise ValueError(f"--variance-resamples={resamples} must be 0 (skip) or >= 2")
+        measured_setting = variance_setting(grid, args.variance_from) if resamples else None
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -545,13 +751,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         try:
             run_grid(grid, root, task=args.task, jobs=args.jobs, log=lambda line: print(line, flush=True))
+            if resamples:
+                run_variance(grid, root, measured_setting, resamples=resamples, prompts=2 if args.quick else 16,
+                             answers=(1, 2) if args.quick else (1, 2, 4, 8, 16), log=lambda line: print(line, flush=True))  # fmt: skip
         except RuntimeError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("interrupted: run the same command again to continue", file=sys.stderr)
             return 130
-    report = write_report(grid, root, task=args.task, command=command.strip())
+    report = write_report(grid, root, task=args.task, command=command.strip(),
+                          report_dir=Path(args.report_dir) if args.report_dir else None)  # fmt: skip
     print(f"report: {report}", flush=True)
     return 0
 

@@ -102,6 +102,26 @@ def bootstrap_mean_interval(per_thought: torch.Tensor, *, draws: int = BOOTSTRAP
     return float(torch.quantile(means, 0.025)), float(torch.quantile(means, 0.975))
 
 
+def right_thought_signal(rewards: torch.Tensor, right: torch.Tensor, **numerics) -> dict[str, float]:
+    """Whether the thought advantage tells right thoughts from wrong ones: ``right[B, K]`` (1: the thought names
+    the target) -> the number of each, their mean value (mean of all their rewards) and their mean advantage at
+    those values (the advantage an infinite M would give), over the prompts that hold both kinds."""
+    values = rewards.mean(dim=-1)
+    advantages, _ = grpo_ma_advantages(values[..., None], **numerics)
+    mixed = (right.sum(dim=-1) > 0) & (right.sum(dim=-1) < right.shape[-1])  # prompts with right and wrong thoughts
+    is_right, is_wrong = (right > 0) & mixed[:, None], (right == 0) & mixed[:, None]
+    mean = lambda x, where: float(x[where].mean()) if where.any() else float("nan")  # noqa: E731
+    return {
+        "prompts_with_both": int(mixed.sum()),
+        "right_thoughts": int((right > 0).sum()),
+        "wrong_thoughts": int((right == 0).sum()),
+        "value_right": mean(values, is_right),
+        "value_wrong": mean(values, is_wrong),
+        "advantage_right": mean(advantages, is_right),
+        "advantage_wrong": mean(advantages, is_wrong),
+    }
+
+
 @dataclass
 class VarianceAtM:
     num_answers: int
@@ -162,7 +182,7 @@ def sample_rewards(run_dir: Path, *, step: int | None, prompts: int, thoughts: i
     task_name = cfg.data.task if not cfg.data.tasks else sorted(cfg.data.tasks)[0]
     task = get_task(task_name)
     samples = task.load(cfg.data.eval_split, cfg.data.eval_sources.get(task_name))[:prompts]
-    rows = []
+    rows, rights = [], []
     for index, sample in enumerate(tqdm(samples, desc="prompts", disable=not progress)):
         settings = dataclasses.replace(sampling_settings(cfg, 0, 0, 1), generators=prompt_generators(seed, index, 1))
         rollout = generate_rollout(policy, [sample], [encode_prompt(policy, sample, task.instruction)],
@@ -170,10 +190,15 @@ def sample_rewards(run_dir: Path, *, step: int | None, prompts: int, thoughts: i
         scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, truncated_thoughts=cfg.rollout.truncated_thoughts,
                                workers=cfg.rollout.reward_workers, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
         rows.append(scored.rewards[0])
+        right = scored.parts.get("right_thought")  # the same for every answer of a thought (tasks that can tell)
+        rights.append(right[0, :, 0] if right is not None else torch.full((thoughts,), float("nan")))
     numerics = dict(scale_by_std=cfg.algorithm.scale_by_std, eps=cfg.algorithm.eps, unbiased=cfg.algorithm.std_unbiased)
     about = {"run": str(run_dir), "checkpoint": model.label, "task": task_name, "split": cfg.data.eval_split,
              "prompts": len(samples), "thoughts": thoughts, "answers_per_thought": answers_per_thought, "seed": seed,
              "temperature": cfg.rollout.temperature, "numerics": numerics}  # fmt: skip
+    right = torch.stack(rights)
+    if not right.isnan().any():
+        about["right_thoughts"] = right_thought_signal(torch.stack(rows).double(), right, **numerics)
     return torch.stack(rows), about
 
 
@@ -290,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else run_dir / "variance"
     write_outputs(results, about, out, args.resamples)
     print(table(results))
+    if "right_thoughts" in about:
+        print("right vs wrong thoughts:", json.dumps(about["right_thoughts"]))
     print(f"{about['prompts']} prompts x {args.thoughts} thoughts, {args.resamples} redraws per M; "
           f"{about['seconds']:.0f} s; wrote {out / 'variance.json'} and {out / 'variance.png'}")  # fmt: skip
     return 0
