@@ -127,8 +127,13 @@ def run_grid(grid: Grid, root: Path, *, task: str, jobs: int = 1, python: str = 
             )
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for future in [pool.submit(run_one, index, setting, seed) for index, (setting, seed) in enumerate(runs, 1)]:
-            future.result()
+        futures = [pool.submit(run_one, index, setting, seed) for index, (setting, seed) in enumerate(runs, 1)]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:  # Ctrl-C: the runs under way get it too and save; the queued ones must not start
+            pool.shutdown(cancel_futures=True)
+            raise
     if failures:
         raise RuntimeError(failures[0])
 
