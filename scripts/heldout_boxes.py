@@ -2,7 +2,7 @@
 ``python scripts/heldout_boxes.py runs/grounding-tiny``.
 
 Prints, per evaluated step: the mean IoU, how many thoughts match the reference thought word for word (the model
-named the right object and region), and over those, the median ratio of the predicted box's size to the true
+named the right object and region; ``tasks.grounding.right_thought``), and over those with a box, the median ratio of the predicted box's size to the true
 box's (mean of the width and height ratios; 1.0 is the true size) and the median distance between the centres.
 Reads the run's ``eval/step-N/grounding.jsonl`` and takes the truth from the held-out samples the run
 evaluated (its ``config.yaml``: ``data.eval_split`` or ``data.eval_sources``), loaded by the grounding task.
@@ -16,6 +16,7 @@ import math
 import statistics
 from pathlib import Path
 
+from tasks.grounding import right_thought
 from vlm_grpo_ma.config import load_config
 from vlm_grpo_ma.held_out import load_eval_sets
 from vlm_grpo_ma.task_api import Sample, get_task
@@ -26,10 +27,12 @@ def box_report(rows: list[dict], truth: dict[str, Sample]) -> dict[str, float]:
     sizes, centres, right = [], [], 0
     for row in rows:
         sample = truth[row["id"]]
-        predicted = (row.get("prediction") or {}).get("box")
-        if predicted is None or row["thought"] != f"<think>{sample.meta.get('reference_thought')}</think>":
+        if not right_thought(row["thought"], sample.meta.get("reference_thought", "")):
             continue
         right += 1
+        predicted = (row.get("prediction") or {}).get("box")
+        if predicted is None:
+            continue
         x1, y1, x2, y2 = sample.answer
         sizes.append(((predicted[2] - predicted[0]) / (x2 - x1) + (predicted[3] - predicted[1]) / (y2 - y1)) / 2)
         centres.append(math.dist(((predicted[0] + predicted[2]) / 2, (predicted[1] + predicted[3]) / 2), ((x1 + x2) / 2, (y1 + y2) / 2)))
