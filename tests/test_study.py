@@ -166,3 +166,25 @@ def test_quick_grid_runs_writes_the_report_and_resumes(tmp_path, capsys):
     assert "T2A2 seed 1: resuming" in printed and printed.count("done earlier, kept") == 4  # three runs, the variance
     assert (interrupted / "summary.json").is_file()
     assert (out / "runs" / "T4A1-seed0" / "metrics.jsonl").read_text() == kept
+
+
+def test_equal_wall_time_and_equal_thought_count_comparisons(tmp_path):
+    grid = _grid(["T16A1", "T4A4", "T4A1"], seeds=(0, 1))
+    for seed in (0, 1):
+        _write_run(grid.run_dir(tmp_path, grid.settings[0], seed), [0.5] * 10, 2.0, 100, evals=[(5, 0.4), (10, 0.5)])
+        _write_run(grid.run_dir(tmp_path, grid.settings[1], seed), [0.5] * 10, 1.0, 60, evals=[(5, 0.45), (10, 0.48)])
+        _write_run(grid.run_dir(tmp_path, grid.settings[2], seed), [0.5] * 10, 1.0, 20, evals=[(5, 0.35), (10, 0.38)])
+    reference, grpo_ma, grpo = _summaries(grid, tmp_path)
+    # T16A1's evaluations sit at 0, 10 and 20 s: after 15 s, half-way from 0.4 to 0.5; past 20 s, unknown
+    assert reference.runs[0].held_out_at_seconds("iou", 15.0) == pytest.approx(0.45)
+    assert math.isnan(reference.runs[0].held_out_at_seconds("iou", 21.0))
+    # T4A4 ends after 10 s at 0.48, where T16A1 stood at 0.40
+    assert study.equal_time(grpo_ma, reference, "iou") == (
+        "At equal training wall time (10 s, T4A4's end) T4A4 stood at 0.480 against T16A1's 0.400: ahead of T16A1 on every seed.")
+    (line,) = study.equal_thoughts([reference, grpo_ma, grpo], reference, "iou")
+    assert line.startswith("- **T4A4 against T4A1** (the same 4 thoughts, 4 answers each instead of 1): after the same 10 steps "
+                           "0.480 against 0.380, ahead of T4A1 on every seed. At equal training wall time (10 s, T4A1's end) "
+                           "T4A1 stood at 0.380 against T4A4's 0.480: behind T4A4 on every seed.")  # fmt: skip
+    claims = "\n".join(study.claims([reference, grpo_ma, grpo], reference, None, "iou"))
+    assert "*What a step buys (T4A4).* After the same 10 steps its held-out iou is 0.480 against T16A1's 0.500" in claims
+    assert "its step costs 0.50x T16A1's" in claims

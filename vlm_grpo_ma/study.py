@@ -218,6 +218,18 @@ class RunCurves:
         return seconds[low] + part * (seconds[index] - seconds[low]), tokens[low] + part * (tokens[index] - tokens[low])
 
 
+    def held_out_at_seconds(self, name: str, seconds: float) -> float:
+        """The held-out figure ``name`` after ``seconds`` of training wall time, interpolated between the
+        evaluations around it; nan past the last evaluation."""
+        times = [self.position(step)[0] for step in self.eval_steps]
+        values = self.eval_values[name]
+        for i in range(1, len(times)):
+            if times[i] >= seconds:
+                part = (seconds - times[i - 1]) / (times[i] - times[i - 1]) if times[i] > times[i - 1] else 1.0
+                return values[i - 1] + part * (values[i] - values[i - 1])
+        return values[0] if times and seconds <= times[0] else math.nan
+
+
 def held_out_metrics(task: str) -> HeldOut:
     """The held-out figures of ``task``: its main metric (grounding: iou; math: accuracy) and the others."""
     from vlm_grpo_ma.registry import get_task
@@ -328,6 +340,10 @@ class SettingSummary:
             out.append(math.nan if step is None else run.position(step)[0])
         return out
 
+    def end_seconds_per_seed(self) -> list[float]:
+        """Each seed's training wall time at its last evaluation."""
+        return [r.position(r.eval_steps[-1])[0] if r.eval_steps else math.nan for r in self.runs]
+
     def noise_var(self) -> float:
         return _mean(v for r in self.runs for v in r.noise_var)
 
@@ -397,7 +413,8 @@ def verdict(summaries: list[SettingSummary], reference: SettingSummary, name: st
             continue
         step, seconds, tokens = s.reach(name, target)
         if step is None:
-            lines.append(f"- **{s.setting.name}** ({objective(s.setting)}) did not reach it on its seed mean within {s.runs[0].steps[-1]} steps.")
+            lines.append(f"- **{s.setting.name}** ({objective(s.setting)}) did not reach it on its seed mean within "
+                         f"{s.runs[0].steps[-1]} steps. {equal_time(s, reference, name)}")  # fmt: skip
             continue
         seeds = [v for v in s.reach_per_seed(name, target) if not math.isnan(v)]
         if seeds and ref_seeds and len(seeds) == len(s.runs) and max(seeds) < min(ref_seeds):
@@ -408,9 +425,85 @@ def verdict(summaries: list[SettingSummary], reference: SettingSummary, name: st
             separation = "the seeds' own times overlap, so the difference is within seed noise"
         lines.append(
             f"- **{s.setting.name}** ({objective(s.setting)}) reached it at step {step:.0f}, in {_ratio(seconds, ref_seconds)}x "
-            f"{reference.setting.name}'s wall time and {_ratio(tokens, ref_tokens)}x its generated tokens; {separation}."
+            f"{reference.setting.name}'s wall time and {_ratio(tokens, ref_tokens)}x its generated tokens; {separation}. "
+            + equal_time(s, reference, name)
         )
     return lines
+
+
+def _seed_order(pairs: list[tuple[float, float]], other: str) -> str:
+    if all(a > b for a, b in pairs):
+        return f"ahead of {other} on every seed"
+    if all(a < b for a, b in pairs):
+        return f"behind {other} on every seed"
+    return "ahead on some seeds and behind on others: within seed noise"
+
+
+def equal_thoughts(summaries: list[SettingSummary], reference: SettingSummary, name: str) -> list[str]:
+    """GRPO at GRPO-MA's thought count (an M = 1 setting other than the reference) against the GRPO-MA settings
+    with the same K: at equal steps (their ends), and at the M = 1 setting's end in wall time."""
+    lines = []
+    for grpo in (s for s in summaries if s.setting.num_answers == 1 and s is not reference):
+        for ma in (s for s in summaries if s.setting.num_thoughts == grpo.setting.num_thoughts and s.setting.num_answers > 1):
+            ma_end = [r.eval_values[name][-1] for r in ma.runs]
+            grpo_end = [r.eval_values[name][-1] for r in grpo.runs]
+            lines.append(
+                f"- **{ma.setting.name} against {grpo.setting.name}** (the same {ma.setting.num_thoughts} thoughts, {ma.setting.num_answers} "
+                f"answers each instead of 1): after the same {ma.runs[0].steps[-1]} steps {_fmt(_mean(ma_end), '.3f')} against "
+                f"{_fmt(_mean(grpo_end), '.3f')}, {_seed_order(list(zip(ma_end, grpo_end, strict=True)), grpo.setting.name)}. "
+                + equal_time(grpo, ma, name)
+            )
+    return lines
+
+
+def claims(summaries: list[SettingSummary], reference: SettingSummary, measured, name: str) -> list[str]:
+    """The paper's claims, each next to what this grid (and the variance measurement, when there) shows."""
+    lines = ["## The paper's claims next to these numbers", ""]
+    if measured is not None:
+        results = {r.num_answers: r for r in measured[0]}
+        low, high = min(results), max(results)
+        if low != high:
+            a, b = results[low], results[high]
+            lines.append(
+                f"- *The thought advantage's variance falls like 1/M.* From M = {low} to {high} (1/M: {high / low:.0f}x less) the "
+                f"thought value's variance fell {a.value_var / b.value_var:.1f}x and the thought advantage's "
+                f"{a.advantage_var / b.advantage_var:.1f}x (the variance section)."
+            )
+    ma = [s for s in summaries if s.setting.num_answers > 1]
+    if ma:
+        lines.append(
+            f"- *GRPO-MA trains more steadily (fewer gradient spikes).* Spike score {reference.setting.name} "
+            f"{_spread(reference.spike_scores(), '.3f')}; " + "; ".join(f"{s.setting.name} {_spread(s.spike_scores(), '.3f')}" for s in ma) + "."
+        )
+        lines.append("- *GRPO-MA reaches GRPO's quality with less time and compute.* See the verdict above.")
+        for s in ma:
+            step_ratio = (s.rollout_seconds() + s.update_seconds()) / (reference.rollout_seconds() + reference.update_seconds())
+            thought, answer = s.thought_tokens(), s.answer_tokens()
+            end, ref_end = _mean(s.eval_curve(name)[-1:]), _mean(reference.eval_curve(name)[-1:])
+            lines.append(
+                f"- *What a step buys ({s.setting.name}).* After the same {s.runs[0].steps[-1]} steps its held-out {name} is "
+                f"{_fmt(end, '.3f')} against {reference.setting.name}'s {_fmt(ref_end, '.3f')}, and its step costs {step_ratio:.2f}x {reference.setting.name}'s: sampling "
+                f"{_ratio(s.rollout_seconds(), reference.rollout_seconds())}x, the update {_ratio(s.update_seconds(), reference.update_seconds())}x "
+                f"(every one of the K*M answers is trained; a shared thought is encoded once). Thoughts are {_fmt(thought, '.1f')} tokens against "
+                f"{_fmt(answer, '.1f')} for an answer, so sharing a thought saves at most {_fmt(thought / (thought + answer), '.0%')} of an "
+                "answer's sequence; the paper's regime is long thoughts and short answers."
+            )
+    return [*lines, ""]
+
+
+def equal_time(s: SettingSummary, reference: SettingSummary, name: str) -> str:
+    """The setting's held-out figure at its end against the reference's after the same training wall time, seed
+    by seed (seed i of both saw the same prompts): ahead or behind on every seed, or mixed (seed noise)."""
+    ends = s.end_seconds_per_seed()
+    own = [r.eval_values[name][-1] if r.eval_values[name] else math.nan for r in s.runs]
+    theirs = [ref.held_out_at_seconds(name, end) for ref, end in zip(reference.runs, ends, strict=True)]
+    pairs = [(a, b) for a, b in zip(own, theirs, strict=True) if not (math.isnan(a) or math.isnan(b))]
+    if not pairs:
+        return f"Its {_fmt(_mean(ends), '.0f')} s of training are past {reference.setting.name}'s last evaluation."
+    order = _seed_order(pairs, reference.setting.name)
+    return (f"At equal training wall time ({_fmt(_mean(ends), '.0f')} s, {s.setting.name}'s end) {s.setting.name} stood at {_fmt(_mean(own), '.3f')} against "
+            f"{reference.setting.name}'s {_fmt(_mean(theirs), '.3f')}: {order}"
+            + ("" if len(pairs) == len(own) else f" ({len(pairs)} of {len(own)} seeds comparable)") + ".")
 
 
 def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir: Path | None = None) -> Path:
@@ -471,7 +564,8 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
             f"{s.rollout_seconds():.3f} | {s.update_seconds():.3f} | {_fmt(s.tokens_per_step(), ',.0f')} | "
             f"{_spread(s.spike_scores(), '.3f')} |"
         )
-    lines += ["", "**Verdict** (from the table):", "", *verdict(summaries, reference, main, target), ""]
+    lines += ["", "**Verdict** (from the table):", "", *verdict(summaries, reference, main, target),
+              *equal_thoughts(summaries, reference, main), ""]  # fmt: skip
     lines += [*link("heldout.png"), *link("accuracy.png"), *link("reward.png"), *link("step_time.png")]
     lines += [
         "Spike score: the share of steps whose grad norm exceeds twice the median of the previous 10 steps "
@@ -518,6 +612,7 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
                 f"{_fmt(signal['advantage_wrong'], '+.2f')}.",
                 "",
             ]
+    lines += claims(summaries, reference, measured, main)
     lines += [
         "## The per-step noise diagnostic",
         "",
