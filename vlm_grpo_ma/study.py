@@ -602,6 +602,17 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
             "",
             *link("variance.png"),
         ]
+        distinct = about.get("distinct_thoughts") or []
+        if "differing" in about:
+            lines += [
+                f"{len(distinct) - about['differing']['prompts']} of the {len(distinct)} prompts drew {about['thoughts']} thoughts of one "
+                "text: their true values are equal, so their normalised thought advantages are noise of a fixed scale at any M "
+                "(the normalisation divides the noise by itself). Over the other "
+                f"{about['differing']['prompts']} prompts alone:",
+                "",
+                variance.table(variance.differing_results(about)),
+                "",
+            ]
         signal = about.get("right_thoughts")
         if signal:
             lines += [

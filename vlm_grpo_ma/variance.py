@@ -182,7 +182,7 @@ def sample_rewards(run_dir: Path, *, step: int | None, prompts: int, thoughts: i
     task_name = cfg.data.task if not cfg.data.tasks else sorted(cfg.data.tasks)[0]
     task = get_task(task_name)
     samples = task.load(cfg.data.eval_split, cfg.data.eval_sources.get(task_name))[:prompts]
-    rows, rights = [], []
+    rows, rights, distinct = [], [], []
     for index, sample in enumerate(tqdm(samples, desc="prompts", disable=not progress)):
         settings = dataclasses.replace(sampling_settings(cfg, 0, 0, 1), generators=prompt_generators(seed, index, 1))
         rollout = generate_rollout(policy, [sample], [encode_prompt(policy, sample, task.instruction)],
@@ -192,10 +192,11 @@ def sample_rewards(run_dir: Path, *, step: int | None, prompts: int, thoughts: i
         rows.append(scored.rewards[0])
         right = scored.parts.get("right_thought")  # the same for every answer of a thought (tasks that can tell)
         rights.append(right[0, :, 0] if right is not None else torch.full((thoughts,), float("nan")))
+        distinct.append(len({tuple(ids) for ids in rollout.tree.thought_ids}))  # K thoughts of one text: equal true values
     numerics = dict(scale_by_std=cfg.algorithm.scale_by_std, eps=cfg.algorithm.eps, unbiased=cfg.algorithm.std_unbiased)
     about = {"run": str(run_dir), "checkpoint": model.label, "task": task_name, "split": cfg.data.eval_split,
              "prompts": len(samples), "thoughts": thoughts, "answers_per_thought": answers_per_thought, "seed": seed,
-             "temperature": cfg.rollout.temperature, "numerics": numerics}  # fmt: skip
+             "temperature": cfg.rollout.temperature, "numerics": numerics, "distinct_thoughts": distinct}  # fmt: skip
     right = torch.stack(rights)
     if not right.isnan().any():
         about["right_thoughts"] = right_thought_signal(torch.stack(rows).double(), right, **numerics)
@@ -265,9 +266,17 @@ def read_outputs(out: Path) -> tuple[list[VarianceAtM], dict] | None:
     if not path.is_file():
         return None
     payload = json.loads(path.read_text())
-    results = [VarianceAtM(**{**r, "value_interval": tuple(r["value_interval"]), "advantage_interval": tuple(r["advantage_interval"])})
-               for r in payload.pop("results")]  # fmt: skip
+    results = [_result(r) for r in payload.pop("results")]
     return results, payload
+
+
+def differing_results(about: dict) -> list[VarianceAtM]:
+    """The table over the prompts whose K thoughts are not all the same text (``about["differing"]``)."""
+    return [_result(r) for r in about["differing"]["results"]]
+
+
+def _result(record: dict) -> VarianceAtM:
+    return VarianceAtM(**{**record, "value_interval": tuple(record["value_interval"]), "advantage_interval": tuple(record["advantage_interval"])})
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -311,10 +320,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     results = measure(rewards, answer_counts, args.resamples, **about["numerics"])
+    differing = torch.tensor(about["distinct_thoughts"]) > 1  # prompts whose thoughts are not all one text
+    if 0 < int(differing.sum()) < len(differing):
+        subset = measure(rewards[differing], answer_counts, args.resamples, **about["numerics"])
+        about["differing"] = {"prompts": int(differing.sum()), "results": [vars(r) for r in subset]}
     about["seconds"] = round(time.perf_counter() - started, 1)
     out = Path(args.out) if args.out else run_dir / "variance"
     write_outputs(results, about, out, args.resamples)
     print(table(results))
+    if "differing" in about:
+        print(f"the {about['differing']['prompts']} prompts whose {args.thoughts} thoughts are not all one text:")
+        print(table(differing_results(about)))
     if "right_thoughts" in about:
         print("right vs wrong thoughts:", json.dumps(about["right_thoughts"]))
     print(f"{about['prompts']} prompts x {args.thoughts} thoughts, {args.resamples} redraws per M; "
