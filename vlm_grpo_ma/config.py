@@ -99,7 +99,9 @@ class AlgorithmConfig:
     # to at most 1). token: one mean over every trained token (DAPO). sequence: each sequence averaged over its tokens,
     # then sequences averaged (GRPO as published; on GRPO-MA's tree thoughts and answers are two halves).
     # dr_grpo: sequence with a constant length, the maximum (Dr.GRPO; pair with scale_by_std=false).
-    loss_aggregation: str = "token"
+    # sequence is the default: under token averaging a T4A4 thought's tokens get 16% of the gradient against its
+    # M answers' tokens, and the embedded run learns more slowly (docs/TUNING.md, "Sequence averaging").
+    loss_aggregation: str = "sequence"
     # DAPO's dynamic sampling: drop prompt groups whose K*M task rewards are all equal (no signal) and draw more
     # prompts, up to dynamic_sampling_max_draws extra draws of train.prompts_per_step prompts, until the draws hold
     # prompts_per_step informative groups (short of that, uninformative ones fill the step; both are counted).
@@ -131,7 +133,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 400  # optimizer steps (one rollout of prompts_per_step prompts each)
+    steps: int = 300  # optimizer steps (one rollout of prompts_per_step prompts each)
     prompts_per_step: int = 16  # B; rows per step = B * K * M
     micro_batch_rows: int = 32  # answer rows per forward/backward
     learning_rate: float = 2e-4
