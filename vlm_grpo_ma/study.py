@@ -316,7 +316,8 @@ class SettingSummary:
         return seed_mean([r.eval_values[name] for r in self.runs])
 
     def eval_steps(self) -> list[int]:
-        return self.runs[0].eval_steps[: len(self.eval_curve(next(iter(self.runs[0].eval_values))))]
+        """The evaluation steps every seed has (``eval_curve``'s points)."""
+        return self.runs[0].eval_steps[: min(len(r.eval_steps) for r in self.runs)]
 
     def eval_change(self, name: str, spec: str = ".3f") -> str:
         """'start -> end (lowest-highest seed at the end)' of the seed-mean held-out figure ``name``."""
