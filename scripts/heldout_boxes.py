@@ -27,7 +27,8 @@ def box_report(rows: list[dict], truth: dict[str, Sample]) -> dict[str, float]:
     sizes, centres, right = [], [], 0
     for row in rows:
         sample = truth[row["id"]]
-        if not right_thought(row["thought"], sample.meta.get("reference_thought", "")):
+        reference = sample.meta.get("reference_thought")
+        if reference is None or not right_thought(row["thought"], reference):  # without a reference nothing is right
             continue
         right += 1
         predicted = (row.get("prediction") or {}).get("box")

@@ -43,3 +43,9 @@ def test_a_shifted_box_counts_its_centre_distance():
     truth = {"a": scene("a", [10, 10, 30, 30], "t")}
     report = heldout_boxes.box_report([row("a", "t", [13, 14, 33, 34], 0.5)], truth)
     assert report["size_ratio"] == pytest.approx(1.0) and report["centre_distance"] == pytest.approx(5.0)
+
+
+def test_a_scene_without_a_reference_thought_has_no_right_thoughts():
+    truth = {"a": Sample("grounding", "a", "Locate: it.", (), [10, 10, 30, 30], {})}
+    report = heldout_boxes.box_report([row("a", "", [10, 10, 30, 30], 1.0)], truth)  # an empty thought is not "right"
+    assert report["right_thoughts"] == 0
