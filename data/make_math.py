@@ -2,6 +2,9 @@
 
 ``python data/make_math.py`` rewrites ``data/math/{train,test}.jsonl`` and the PNGs under
 ``data/math/images/``. Everything follows from two fixed seeds, so the files are reproducible.
+``python data/make_math.py --counting`` writes ``data/counting/`` the same way: picture problems only, from
+two other seeds (COUNTING_SPLIT_SIZES_AND_SEEDS), the long-thought regime the study trains with the math
+task's correctness reward.
 
 Picture rows (IMAGE_SHARE of each split): a 112x112 RGB image on a plain light background holding 3-8
 non-overlapping flat shapes (circle / square / triangle in red / green / blue / yellow, 14-20 px; each scene
@@ -60,6 +63,9 @@ IMAGE_KINDS = ("total", "sum", "add", "difference", "colour")
 TEXT_KINDS = ("buy_groups", "change", "boxes", "speed", "fraction", "share_decimal")
 
 SPLIT_SIZES_AND_SEEDS = {"train": (600, 20240505), "test": (100, 20240606)}
+# ``--counting``: picture problems only, the long-thought regime of the study (``data/counting/``), its own
+# seeds; a larger test split so that held-out accuracy moves in steps of 0.005.
+COUNTING_SPLIT_SIZES_AND_SEEDS = {"train": (800, 20240707), "test": (200, 20240808)}
 
 Box = tuple[int, int, int, int]
 
@@ -277,8 +283,9 @@ def text_problem(rng: random.Random) -> tuple[str, str, str, dict, int | None]:
 # ---------------------------------------------------------------------------------------------- splits
 
 
-def generate(out_dir: Path, n: int, seed: int, split: str = "train") -> list[dict]:
-    """Write the PNGs of ``n`` problems to ``out_dir/images/{split}_NNNNN.png`` and return their JSONL rows.
+def generate(out_dir: Path, n: int, seed: int, split: str = "train", image_share: float = IMAGE_SHARE) -> list[dict]:
+    """Write the PNGs of ``n`` problems to ``out_dir/images/{split}_NNNNN.png`` and return their JSONL rows;
+    ``image_share`` of them (in expectation) are picture problems, the rest word problems.
 
     Problem i depends only on ``seed`` and the problems before it, so a smaller ``n`` gives a prefix.
     """
@@ -288,7 +295,7 @@ def generate(out_dir: Path, n: int, seed: int, split: str = "train") -> list[dic
     rows = []
     for i in range(n):
         name = f"{split}_{i:05d}"
-        if rng.random() < IMAGE_SHARE:
+        if rng.random() < image_share:
             image, objects = make_scene(rng)
             question, answer, thought, program = image_problem(rng, objects)
             image.save(image_dir / f"{name}.png", optimize=True)
@@ -304,12 +311,12 @@ def generate(out_dir: Path, n: int, seed: int, split: str = "train") -> list[dic
     return rows
 
 
-def write_split(out_dir: Path, split: str, n: int, seed: int) -> list[dict]:
+def write_split(out_dir: Path, split: str, n: int, seed: int, image_share: float = IMAGE_SHARE) -> list[dict]:
     """Regenerate one split: remove its old PNGs, write new ones and ``out_dir/{split}.jsonl``."""
     out_dir = Path(out_dir)
     for old in (out_dir / "images").glob(f"{split}_*.png"):
         old.unlink()
-    rows = generate(out_dir, n, seed, split)
+    rows = generate(out_dir, n, seed, split, image_share)
     with open(out_dir / f"{split}.jsonl", "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
@@ -318,12 +325,17 @@ def write_split(out_dir: Path, split: str, n: int, seed: int) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "math")
+    parser.add_argument("--counting", action="store_true",
+                        help="write the picture-only counting splits (default folder data/counting) instead")
+    parser.add_argument("--out-dir", type=Path, help="default: data/math, or data/counting with --counting")
     args = parser.parse_args(argv)
-    for split, (n, seed) in SPLIT_SIZES_AND_SEEDS.items():
-        rows = write_split(args.out_dir, split, n, seed)
+    here = Path(__file__).resolve().parent
+    out_dir = args.out_dir or here / ("counting" if args.counting else "math")
+    splits = COUNTING_SPLIT_SIZES_AND_SEEDS if args.counting else SPLIT_SIZES_AND_SEEDS
+    for split, (n, seed) in splits.items():
+        rows = write_split(out_dir, split, n, seed, 1.0 if args.counting else IMAGE_SHARE)
         with_image = sum(bool(row["images"]) for row in rows)
-        print(f"{split}: {len(rows)} problems, {with_image} with a picture -> {args.out_dir}")
+        print(f"{split}: {len(rows)} problems, {with_image} with a picture -> {out_dir}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ``python scripts/heldout_boxes.py runs/grounding-tiny``.
 
 Prints, per evaluated step: the mean IoU, how many thoughts match the reference thought word for word (the model
-named the right object and region; ``tasks.grounding.right_thought``), and over those with a box, the median ratio of the predicted box's size to the true
+named the right object and region; ``vlm_grpo_ma.task_api.right_thought``), and over those with a box, the median ratio of the predicted box's size to the true
 box's (mean of the width and height ratios; 1.0 is the true size) and the median distance between the centres.
 Reads the run's ``eval/step-N/grounding.jsonl`` and takes the truth from the held-out samples the run
 evaluated (its ``config.yaml``: ``data.eval_split`` or ``data.eval_sources``), loaded by the grounding task.
@@ -16,10 +16,9 @@ import math
 import statistics
 from pathlib import Path
 
-from tasks.grounding import right_thought
 from vlm_grpo_ma.config import load_config
 from vlm_grpo_ma.held_out import load_eval_sets
-from vlm_grpo_ma.task_api import Sample, get_task
+from vlm_grpo_ma.task_api import Sample, get_task, right_thought
 
 
 def box_report(rows: list[dict], truth: dict[str, Sample]) -> dict[str, float]:

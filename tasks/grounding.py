@@ -50,6 +50,7 @@ from vlm_grpo_ma.task_api import (
     parse_box,
     register_task,
     require_keys,
+    right_thought,
     skip_row,
     weighted_reward,
 )
@@ -107,12 +108,6 @@ def reward(completion: Completion, sample: Sample) -> dict[str, float]:
         parts["right_thought"] = float(right_thought(completion.text, reference_thought))
     parts["reward"] = weighted_reward(parts, REWARD_WEIGHTS)
     return parts
-
-
-def right_thought(text: str, reference_thought: str) -> bool:
-    """Whether the think part of ``text`` is ``reference_thought``, compared word by word (spacing aside)."""
-    thought = extract_tag(text, "think")
-    return thought is not None and thought.split() == str(reference_thought).split()
 
 
 def prediction(completion: Completion, sample: Sample) -> dict | None:

@@ -5,6 +5,9 @@ Reward parts (all in [0, 1]):
                 below), else 0.0;
   ``format``    1.0 when the whole text is ``<think>...</think><answer>...</answer>`` and the answer is not
                 blank, else 0.0;
+  ``right_thought``  only for samples with a reference thought (the embedded and counting rows): 1.0 when the
+                think part is that thought word for word (on a counting picture, its inventory), else 0.0;
+                logged, not rewarded;
   ``reward``    ``weighted_reward(parts, REWARD_WEIGHTS)``.
 
 ``accuracy`` does not require the format: an answer in a single ``<answer>`` tag is graded even when the
@@ -95,6 +98,7 @@ from vlm_grpo_ma.task_api import (
     read_rows,
     register_task,
     require_keys,
+    right_thought,
     rows_to_samples,
     weighted_reward,
 )
@@ -559,6 +563,9 @@ def reward(completion: Completion, sample: Sample) -> dict[str, float]:
         "accuracy": float(correct),
         "format": float(answer is not None and has_think_answer_format(completion.text)),
     }
+    reference_thought = sample.meta.get("reference_thought")
+    if reference_thought is not None:
+        parts["right_thought"] = float(right_thought(completion.text, reference_thought))
     parts["reward"] = weighted_reward(parts, REWARD_WEIGHTS)
     return parts
 
@@ -739,7 +746,7 @@ TASK = register_task(
         load=load,
         reward=reward,
         instruction=INSTRUCTION,
-        metrics=("accuracy", "format"),
+        metrics=("accuracy", "format", "right_thought"),
         reward_weights=dict(REWARD_WEIGHTS),
         success="accuracy",
         parse=prediction,

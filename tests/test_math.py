@@ -311,7 +311,7 @@ def test_task_is_registered():
     task = get_task("math")
     assert task is math_task.TASK
     assert task.load is math_task.load and task.reward is math_task.reward
-    assert task.metrics == ("accuracy", "format")
+    assert task.metrics == ("accuracy", "format", "right_thought")
     assert task.reward_weights == {"accuracy": 1.0, "format": 0.5}
     assert task.success == "accuracy" and task.parse is math_task.prediction
     assert "<think></think>" in task.instruction and "<answer></answer>" in task.instruction
@@ -710,7 +710,35 @@ def test_embedded_pictures_show_exactly_their_objects(embedded_rows):
 def test_reference_answers_on_the_embedded_test_split_get_full_reward(embedded):
     for sample in embedded["test"]:
         text = f"<think>{sample.meta['reference_thought']}</think><answer>{sample.answer}</answer>"
-        _assert_parts(math_task.reward(_completion(text), sample), _expected(True, True))
+        _assert_parts(math_task.reward(_completion(text), sample), {**_expected(True, True), "right_thought": 1.0})
+
+
+def test_right_thought_is_logged_not_rewarded(embedded):
+    sample = next(s for s in embedded["test"] if s.images)
+    reference = sample.meta["reference_thought"]
+    spaced = math_task.reward(_completion(f"<think>  {reference.replace(' ', '   ')} </think><answer>{sample.answer}</answer>"), sample)
+    other = math_task.reward(_completion(f"<think>I see some shapes.</think><answer>{sample.answer}</answer>"), sample)
+    assert spaced["right_thought"] == 1.0 and other["right_thought"] == 0.0  # word for word, spacing aside
+    assert spaced["reward"] == other["reward"] == 1.5  # the thought is not paid for
+    assert "right_thought" not in math_task.reward(_completion("<think>x</think><answer>5</answer>"), _sample())
+
+
+COUNTING_DIR = REPO / "data" / "counting"
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_the_counting_splits_are_pictures_whose_answers_are_recomputed(split, tmp_path):
+    rows = [json.loads(line) for line in (COUNTING_DIR / f"{split}.jsonl").read_text().splitlines()]
+    assert len(rows) == make_math.COUNTING_SPLIT_SIZES_AND_SEEDS[split][0]
+    assert {row["program"]["kind"] for row in rows} == set(make_math.IMAGE_KINDS)
+    for row in rows:
+        assert row["answer"] == _recomputed_answer(row), row["id"]
+        assert len(row["images"]) == 1 and (COUNTING_DIR / row["images"][0]).is_file(), row["id"]
+    if split == "test":  # the committed files are the generator's
+        n, seed = make_math.COUNTING_SPLIT_SIZES_AND_SEEDS["test"]
+        assert make_math.generate(tmp_path, 6, seed=seed, split="test", image_share=1.0) == rows[:6]
+    samples = math_task.load(source=str(COUNTING_DIR / f"{split}.jsonl"))
+    assert len(samples) == len(rows) and all(len(s.images) == 1 and s.meta["reference_thought"] for s in samples)
 
 
 def test_embedded_fraction_answers_accept_equivalent_forms(embedded):

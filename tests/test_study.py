@@ -147,6 +147,24 @@ def test_cli_errors_name_the_bad_value(capsys):
     assert "--seeds=0 must be >= 1" in capsys.readouterr().err
 
 
+def test_every_run_starts_from_the_config_file_with_the_grid_on_top(tmp_path, capsys):
+    config = tmp_path / "regime.yaml"
+    config.write_text("train:\n  learning_rate: 0.001\n")
+    fake_python = tmp_path / "python"  # records each run's command line instead of training
+    fake_python.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'commands'}\n")
+    fake_python.chmod(0o755)
+    args = study.build_arg_parser().parse_intermixed_args(
+        ["--settings", "T4A4", "--seeds", "1", "--config", str(config), "train.num_threads=1"])
+    grid = study.grid_from_args(args)
+    study.run_grid(grid, tmp_path / "out", task="math", python=str(fake_python), log=lambda line: None)
+    command = (tmp_path / "commands").read_text().split()
+    assert command[command.index("--config") + 1] == str(config)
+    assert command.index("--config") < command.index("rollout.num_thoughts=4")  # the grid's overrides win
+    assert command[-1] == "train.num_threads=1"
+    assert study.main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert f"--config {tmp_path / 'missing.yaml'}: no such file" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_quick_grid_runs_writes_the_report_and_resumes(tmp_path, capsys):
     out = tmp_path / "study"

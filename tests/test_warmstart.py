@@ -124,3 +124,82 @@ def test_a_negative_or_nan_margin_is_refused_before_any_work(margin, capsys):
     with pytest.raises(SystemExit):
         main(["--box-margin", margin])
     assert f"--box-margin must be a number of pixels >= 0, got {float(margin)}" in capsys.readouterr().err
+
+
+def test_token_targets_count_the_object_centres_in_each_token():
+    make_grounding = load_scene_generator()
+    # 112 px on a 4 x 4 grid: cells of 28 px. Two small objects with their centres in cell (0, 0), one in (3, 3).
+    a = make_grounding.SceneObject("circle", "red", "small", (2, 2, 12, 12))
+    b = make_grounding.SceneObject("square", "blue", "small", (14, 14, 26, 26))
+    c = make_grounding.SceneObject("triangle", "green", "small", (90, 90, 110, 110))
+    centres = token_targets([a, b, c], grid_side=4, image_side=112)["centres"]
+    assert centres[0] == 2 and centres[15] == 1 and centres.sum() == 3
+
+
+def test_counting_stream_is_reproducible_and_its_reference_completion_scores_full_marks(tiny_policy):
+    from vlm_grpo_ma.registry import Completion, get_task
+    from vlm_grpo_ma.warmstart import CountingStream
+
+    first, again, other = CountingStream(5).take(4), CountingStream(5).take(4), CountingStream(6).take(4)
+    assert [s.sample.question for s in first] == [s.sample.question for s in again]
+    assert [s.sample.answer for s in first] == [s.sample.answer for s in again]
+    assert [s.sample.question for s in first] != [s.sample.question for s in other]
+    math_task = get_task("math")
+    for scene in first:
+        sample = scene.sample
+        assert sample.task == "math" and len(sample.images) == 1 and 3 <= len(scene.objects) <= 8
+        text = target_text(tiny_policy, sample, input_size=(112, 112), original_size=(112, 112))
+        assert text == f"<think>{sample.meta['reference_thought']}</think><answer>{sample.answer}</answer>"
+        cut = text.index("</think>") + len("</think>")
+        parts = math_task.reward(Completion(thought=text[:cut], answer=text[cut:]), sample)
+        assert parts["accuracy"] == 1.0 and parts["format"] == 1.0 and parts["right_thought"] == 1.0
+
+
+def test_a_counting_vision_step_trains_the_centres_head(tiny_policy):
+    from vlm_grpo_ma.warmstart import CountingStream
+
+    heads = TokenHeads(tiny_policy.model.config.vision_config.out_hidden_size, count_centres=True)
+    loss = vision_step(tiny_policy, heads, CountingStream(3).take(2))
+    loss.backward()
+    assert heads.centres.weight.grad is not None and heads.centres.weight.grad.abs().sum() > 0
+    tiny_policy.model.zero_grad(set_to_none=True)
+
+
+def test_a_box_margin_is_refused_for_counting(capsys):
+    from vlm_grpo_ma.warmstart import main
+
+    with pytest.raises(SystemExit):
+        main(["--task", "counting", "--box-margin", "5"])
+    assert "--box-margin loosens grounding boxes; --task counting has none" in capsys.readouterr().err
+
+
+def test_slips_change_only_the_last_sum_of_sum_and_add_labels():
+    from vlm_grpo_ma.warmstart import CountingStream
+
+    true, slipped_labels = CountingStream(32).take(60), CountingStream(32, slip_rate=1.0).take(60)
+    assert [s.sample.question for s in true] == [s.sample.question for s in slipped_labels]  # the same problems
+    changed = 0
+    for exact, slip in zip(true, slipped_labels, strict=True):
+        thought, slip_thought = exact.sample.meta["reference_thought"], slip.sample.meta["reference_thought"]
+        if exact.sample.question.startswith("If you add") or " plus " in exact.sample.question:  # add / sum kinds
+            assert int(slip.sample.answer) == int(exact.sample.answer) - 1
+            head = thought.rsplit("= ", 1)[0]
+            assert slip_thought == f"{head}= {int(exact.sample.answer) - 1}."
+            changed += 1
+        else:
+            assert (slip_thought, slip.sample.answer) == (thought, exact.sample.answer)
+    assert changed >= 15
+    unslipped = CountingStream(32, slip_rate=0.0).take(60)
+    assert [s.sample.answer for s in unslipped] == [s.sample.answer for s in true]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--task", "counting", "--slip-rate", "1.5"], "--slip-rate must be a share in [0, 1], got 1.5"),
+    (["--task", "grounding", "--slip-rate", "0.5"], "--slip-rate puts slips in counting labels; --task grounding has none"),
+])
+def test_a_bad_slip_rate_is_refused_before_any_work(args, message, capsys):
+    from vlm_grpo_ma.warmstart import main
+
+    with pytest.raises(SystemExit):
+        main(args)
+    assert message in capsys.readouterr().err

@@ -67,6 +67,7 @@ class Grid:
     eval_every: int
     eval_samples: int
     extra: tuple[str, ...] = ()  # further train overrides, the same for every run
+    config: str | None = None  # a train config file every run starts from (the grid's overrides apply on top)
 
     def loss_aggregation(self) -> str:
         """The grid's loss aggregation: GRID_LOSS_AGGREGATION unless an extra override names another."""
@@ -126,6 +127,7 @@ def run_grid(grid: Grid, root: Path, *, task: str, jobs: int = 1, python: str = 
             return
         resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").glob("step-*"))
         command = [python, "-m", "vlm_grpo_ma.train", "--task", task, "--output-dir", str(run_dir),
+                   *(["--config", grid.config] if grid.config else []),
                    "--resume" if resume else "--overwrite", *grid.overrides(setting, seed)]  # fmt: skip
         log(f"{label}: {'resuming' if resume else 'running'} ({time.perf_counter() - started:.0f} s into the study)")
         done = subprocess.run(command, capture_output=True, text=True)
@@ -194,7 +196,7 @@ class HeldOut:
 
     main: str  # the task's main metric (grounding: iou)
     accuracy: str = "accuracy"  # the mean of the task's success part (grounding: Acc@0.5)
-    right_thought: str = "right_thought"  # the share of thoughts naming the target (tasks that can tell)
+    right_thought: str = "right_thought"  # the share of right thoughts (tasks with reference thoughts)
 
 
 @dataclass
@@ -550,7 +552,7 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
         f"Task {task}; settings {', '.join(s.setting.name for s in summaries)}; seeds {', '.join(map(str, grid.seeds))}; "
         f"{grid.steps} steps of {grid.prompts_per_step} prompts; held-out greedy evaluation of {grid.eval_samples} "
         f"samples before step 1 and every {grid.eval_every} steps. Every run sees the same prompts in the same order; "
-        f"extra overrides: {' '.join(grid.extra) or 'none'}. Wall time is the training steps' own (evaluations excluded). "
+        f"config file: {grid.config or 'none (the built-in defaults)'}; extra overrides: {' '.join(grid.extra) or 'none'}. Wall time is the training steps' own (evaluations excluded). "
         "Objectives: M = 1 rows train GRPO (`algorithm.advantage_estimator=grpo`, each thought + answer one sequence, "
         "the prompt's answers as baseline); M >= 2 rows train GRPO-MA (answer baseline: the thought's answers); the loss "
         f"is averaged with `algorithm.loss_aggregation={grid.loss_aggregation()}`.",
@@ -587,8 +589,9 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
         lines += [
             "## Thoughts",
             "",
-            "The share of thoughts that name the target word for word (`right_thought`: held-out greedy thoughts, and "
-            "sampled thoughts in training, first and last fifth of the steps).",
+            "The share of thoughts that are the reference thought word for word (`right_thought`; on grounding scenes it "
+            "names the target and its place, on counting pictures it lists the picture's inventory): held-out greedy "
+            "thoughts, and sampled thoughts in training, first and last fifth of the steps.",
             "",
             "| setting | held-out right thoughts, start -> end (seeds at the end) | sampled right thoughts, first -> last fifth |",
             "|---|---|---|",
@@ -815,6 +818,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-every", type=int, help=f"held-out evaluation every N steps (default {DEFAULT_GRID['eval_every']})")
     parser.add_argument("--eval-samples", type=int, help=f"held-out samples (default {DEFAULT_GRID['eval_samples']})")
     parser.add_argument("--task", default="grounding", help="task name (default: grounding)")
+    parser.add_argument("--config", help="train config file every run starts from, e.g. configs/tiny-counting.yaml "
+                        "(the grid's settings and overrides apply on top)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1; give each train.num_threads=1 "
                         "with --jobs 2 on 2 cores, so that every run has one core and the step times stay comparable)")
     parser.add_argument("--output-dir", default="runs/study", help="where runs, report.md and plots go (default runs/study)")
@@ -850,8 +855,10 @@ def grid_from_args(args: argparse.Namespace) -> Grid:
     for override in args.overrides:
         if "=" not in override:
             raise ValueError(f"override {override!r} is not section.key=value")
+    if args.config is not None and not Path(args.config).is_file():
+        raise ValueError(f"--config {args.config}: no such file")
     return Grid(settings, tuple(range(values["seeds"])), values["steps"], values["prompts_per_step"],
-                values["eval_every"], values["eval_samples"], tuple(args.overrides))  # fmt: skip
+                values["eval_every"], values["eval_samples"], tuple(args.overrides), args.config)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

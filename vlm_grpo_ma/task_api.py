@@ -68,6 +68,7 @@ __all__ = [
     "weighted_reward",
     "extract_tag",
     "has_think_answer_format",
+    "right_thought",
     "parse_numbers",
     "parse_box",
     "parse_points",
@@ -176,6 +177,14 @@ def extract_tag(text: str, tag: str) -> str | None:
     if end < start:
         return None
     return text[start:end]
+
+
+def right_thought(text: str, reference_thought: str) -> bool:
+    """Whether the think part of ``text`` is ``reference_thought``, compared word by word (spacing aside): on
+    generated data, where the reference thought is the one right reasoning (grounding: the target and its
+    place; counting: the picture's inventory), it tells a right thought from a wrong one."""
+    thought = extract_tag(text, "think")
+    return thought is not None and thought.split() == str(reference_thought).split()
 
 
 def has_think_answer_format(text: str) -> bool:

@@ -9,7 +9,8 @@ Three pieces, each reproducible from this file and ``vlm_grpo_ma.warmstart``:
   ``TINY_EXACT_MODEL_DIR``, supervised on exact boxes (``python -m vlm_grpo_ma.warmstart``), and
   ``TINY_MODEL_DIR``, the RL run's start: the exact model fine-tuned for 150 steps on loose boxes (every box
   grown by 10 pixels a side; the command is in ``warmstart``'s docstring), so that the reward has something
-  real to correct on scenes it never trained on.
+  real to correct on scenes it never trained on. A third, ``TINY_COUNT_MODEL_DIR``, starts the counting regime
+  (``configs/tiny-counting.yaml``; its command is in ``warmstart``'s docstring too).
 
 ``python -m vlm_grpo_ma.tiny`` rebuilds the tokenizer and a randomly initialised model into the assets folder.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-qwen2.5-vl"
 TINY_EXACT_MODEL_DIR = TINY_MODEL_DIR.with_name("tiny-qwen2.5-vl-exact")
+TINY_COUNT_MODEL_DIR = TINY_MODEL_DIR.with_name("tiny-qwen2.5-vl-count")  # the counting regime's start
 TINY_MODEL_NAME = "tiny"  # `model.name_or_path: tiny` selects TINY_MODEL_DIR
 
 # Qwen2/2.5 chat and vision special tokens, in the order of the real vocabulary.

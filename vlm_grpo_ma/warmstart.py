@@ -1,22 +1,25 @@
-"""Supervised warm start of the embedded tiny model: ``python -m vlm_grpo_ma.warmstart``.
+"""Supervised warm start of the embedded tiny model: ``python -m vlm_grpo_ma.warmstart [--task counting]``.
 
 Two phases, both on scenes drawn fresh at every step from the embedded data's own generator
-(``data/make_grounding.py``, seeded apart from the committed train and test splits), so a 1.1M-parameter
-model sees tens of thousands of distinct scenes and cannot memorise a few thousand:
+(``data/make_grounding.py``; with ``--task counting``, the picture problems of ``data/make_math.py``), seeded
+apart from the committed train and test splits, so a 1.1M-parameter model sees tens of thousands of distinct
+scenes and cannot memorise a few thousand:
 
 1. **Vision.** The vision tower and patch merger of a randomly initialised model (``vlm_grpo_ma.tiny``) learn,
    through small linear heads on each merged image token that are thrown away afterwards, what is under that
    token: its grid place, whether an object covers it, that object's colour, shape and box. A tower trained
    only through the decoder's loss collapsed to near-constant features; a frozen random one encodes the
    token's place but barely its content.
+   Counting adds a head for the number of object centres under each token (two small shapes can share one).
 2. **Decoder.** With the tower frozen, the language model learns to write
    ``<think>{reference thought}</think><answer>[x1,y1,x2,y2]</answer>`` (the box in the model's coordinate
-   frame, converted by ``coords.from_original_pixels``: the single conversion rewards use in reverse).
+   frame, converted by ``coords.from_original_pixels``: the single conversion rewards use in reverse); for
+   counting, ``<think>{the inventory and the sum}</think><answer>{number}</answer>``.
 
-Every ``--eval-every`` steps it prints greedy reward and IoU on held-out generated scenes (a third seed; the
-committed test split is left for evaluation).
+Every ``--eval-every`` steps it prints greedy held-out metrics on generated scenes (a third seed, true labels;
+the committed test split is left for evaluation).
 
-The two committed models (``vlm_grpo_ma.tiny``) were made by this script, each with ``--threads 1`` on this
+The three committed models (``vlm_grpo_ma.tiny``) were made by this script, each with ``--threads 1`` on this
 project's 2-core CPU machine:
 
 - ``vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact``: the defaults (about 90 minutes). It stops before convergence on
@@ -28,6 +31,14 @@ project's 2-core CPU machine:
   committed weights to the byte. Loose boxes are a common flaw of real annotations. The model learns to draw
   boxes about 1.6 times the true size; the IoU reward pays for the true box, so RL has a real, measurable error
   to correct on scenes it never saw, rather than only sharpening what greedy decoding already does.
+- ``vlm_grpo_ma/assets/tiny-qwen2.5-vl-count`` (``configs/tiny-counting.yaml``, the study's long-thought
+  regime): the exact model's tower and decoder, trained on counting pictures with **arithmetic slips**,
+  ``--task counting --init vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact --vision-steps 400 --decoder-steps 300
+  --slip-rate 0.6 --max-thought-tokens 64 --out vlm_grpo_ma/assets/tiny-qwen2.5-vl-count`` (about 6
+  minutes): 60% of the ``sum`` and ``add`` labels end their thought one short ("1 + 1 = 1") and answer that.
+  The model writes such thoughts and answers what they say: held-out greedy accuracy 0.25 on generated
+  pictures (0.42 without slips, same command with ``--slip-rate 0``), a flaw in the reasoning that a
+  correctness reward can pay to remove.
 """
 
 from __future__ import annotations
@@ -48,24 +59,32 @@ from vlm_grpo_ma.coords import from_original_pixels
 from vlm_grpo_ma.lora import freeze_vision, trainable_parameters, vision_tower
 from vlm_grpo_ma.policy import Policy, encode_prompt, load_policy, sequence_logprobs
 from vlm_grpo_ma.registry import Sample, get_task
-from vlm_grpo_ma.tiny import TINY_EXACT_MODEL_DIR, build_untrained
+from vlm_grpo_ma.evaluate import EvalSettings
+from vlm_grpo_ma.tiny import TINY_COUNT_MODEL_DIR, TINY_EXACT_MODEL_DIR, build_untrained
 
-GENERATOR_PATH = Path(__file__).resolve().parents[1] / "data" / "make_grounding.py"
-# Scene seeds: the committed splits use 20240101 (train) and 20240202 (test).
+DATA_SCRIPTS = Path(__file__).resolve().parents[1] / "data"
+# Scene seeds: the committed grounding splits use 20240101 (train) and 20240202 (test), the math splits
+# 20240505 and 20240606, the counting splits 20240707 and 20240808.
 VISION_SEED, DECODER_SEED, HELD_OUT_SEED = 31, 32, 33
 
 
 @functools.cache
-def load_scene_generator():
-    """``data/make_grounding.py`` as a module (it is a script of the checkout, not part of the package),
-    loaded once: every stream and every label shares its classes and vocabularies."""
-    if not GENERATOR_PATH.is_file():
-        raise FileNotFoundError(f"the warm start needs the scene generator {GENERATOR_PATH} (run it from a checkout)")
-    spec = importlib.util.spec_from_file_location("make_grounding", GENERATOR_PATH)
+def load_generator(name: str):
+    """``data/{name}.py`` as a module (a script of the checkout, not part of the package), loaded once:
+    every stream and every label shares its classes and vocabularies."""
+    path = DATA_SCRIPTS / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"the warm start needs the scene generator {path} (run it from a checkout)")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["make_grounding"] = module  # dataclasses resolve their module by name
+    sys.modules[name] = module  # dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
+
+
+def load_scene_generator():
+    """The grounding scene generator, ``data/make_grounding.py``."""
+    return load_generator("make_grounding")
 
 
 @dataclass(frozen=True)
@@ -107,6 +126,69 @@ class SceneStream:
         return scenes
 
 
+class CountingStream:
+    """Fresh counting pictures from the math data's generator (``data/make_math.py``: its picture kinds
+    only, so every answer is read off the image), as Samples the math task scores.
+
+    ``slip_rate``: the share of ``sum`` and ``add`` problems whose label carries an arithmetic slip, the last
+    step of the thought and the answer one less than the truth ("2 + 3 = 4", answer 4). A model that learns
+    from such labels writes a wrong sum in its thought, then answers what its thought says: a flaw of the
+    reasoning, not of the answer, which RL with a correctness reward can find and fix (the counting regime's
+    counterpart of the grounding warm start's loose boxes). The slips are drawn apart from the scenes, so
+    any rate gives the same pictures and questions."""
+
+    SLIPPED_KINDS = ("sum", "add")
+
+    def __init__(self, seed: int, slip_rate: float = 0.0):
+        self._generator = load_generator("make_math")
+        self._rng = random.Random(seed)
+        self._slips = random.Random(seed + 1_000_003)
+        self._slip_rate = slip_rate
+        self._seed = seed
+        self._count = 0
+
+    def take(self, n: int) -> list[Scene]:
+        scenes = []
+        for _ in range(n):
+            image, objects = self._generator.make_scene(self._rng)
+            question, answer, thought, program = self._generator.image_problem(self._rng, objects)
+            if program["kind"] in self.SLIPPED_KINDS and self._slips.random() < self._slip_rate:
+                thought, answer = slipped(thought, answer)
+            sample = Sample(
+                task="math",
+                id=f"generated-{self._seed}-{self._count}",
+                question=question,
+                images=(image,),
+                answer=str(answer),
+                meta={"source": "project", "precision": None, "reference_thought": thought},
+            )
+            scenes.append(Scene(sample, tuple(SceneObject(o["shape"], o["colour"], tuple(o["box"])) for o in objects)))
+            self._count += 1
+        return scenes
+
+
+def slipped(thought: str, answer: int) -> tuple[str, int]:
+    """A thought ending "... = {answer}." and its answer, with the result one less."""
+    ending = f"= {answer}."
+    if not thought.endswith(ending):
+        raise ValueError(f"a slipped thought must end with {ending!r}, got {thought!r}")
+    return thought[: -len(ending)] + f"= {answer - 1}.", answer - 1
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    """What the vision targets read of an object (the math generator writes its objects as dicts)."""
+
+    shape: str
+    colour: str
+    box: tuple
+
+
+# What each --task warm-starts: the stream of generated scenes and the registered task that scores them.
+STREAMS = {"grounding": SceneStream, "counting": CountingStream}
+SCORED_BY = {"grounding": "grounding", "counting": "math"}
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Phase 1: the vision tower
 
@@ -122,8 +204,9 @@ def scene_vocabulary() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def token_targets(objects, grid_side: int, image_side: int) -> dict[str, torch.Tensor]:
     """What each merged token (row-major over a ``grid_side`` x ``grid_side`` grid) should encode: its grid
-    place (0..1), whether an object's box covers it, and that object's colour, shape and box (0..1); the
-    object covering the most of the token wins."""
+    place (0..1), whether an object's box covers it, and that object's colour, shape and box (0..1), the
+    object covering the most of the token winning; and how many objects have their box centre in it (two
+    small objects can share a token, which counting must see)."""
     colours, shapes = scene_vocabulary()
     cell = image_side / grid_side
     tokens = grid_side * grid_side
@@ -132,6 +215,11 @@ def token_targets(objects, grid_side: int, image_side: int) -> dict[str, torch.T
     colour = torch.zeros(tokens, dtype=torch.long)
     shape = torch.zeros(tokens, dtype=torch.long)
     box = torch.zeros(tokens, 4)
+    centres = torch.zeros(tokens)
+    for obj in objects:
+        x, y = (obj.box[0] + obj.box[2]) / 2, (obj.box[1] + obj.box[3]) / 2
+        row, col = min(int(y // cell), grid_side - 1), min(int(x // cell), grid_side - 1)
+        centres[row * grid_side + col] += 1
     for row in range(grid_side):
         for col in range(grid_side):
             k = row * grid_side + col
@@ -148,13 +236,15 @@ def token_targets(objects, grid_side: int, image_side: int) -> dict[str, torch.T
                 colour[k] = colours.index(best_object.colour)
                 shape[k] = shapes.index(best_object.shape)
                 box[k] = torch.tensor(best_object.box, dtype=torch.float32) / image_side
-    return {"place": place, "covered": covered, "colour": colour, "shape": shape, "box": box}
+    return {"place": place, "covered": covered, "colour": colour, "shape": shape, "box": box, "centres": centres}
 
 
 class TokenHeads(torch.nn.Module):
-    """Linear read-outs of a merged image token, used only to train the tower."""
+    """Linear read-outs of a merged image token, used only to train the tower. ``count_centres`` adds a head
+    for the number of object centres in the token (the counting warm start; the grounding one was made
+    without it)."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, *, count_centres: bool = False):
         super().__init__()
         colours, shapes = scene_vocabulary()
         self.place = torch.nn.Linear(width, 2)
@@ -162,19 +252,23 @@ class TokenHeads(torch.nn.Module):
         self.colour = torch.nn.Linear(width, len(colours))
         self.shape = torch.nn.Linear(width, len(shapes))
         self.box = torch.nn.Linear(width, 4)
+        self.centres = torch.nn.Linear(width, 1) if count_centres else None
 
     def loss(self, features: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
         """Regression terms are scaled by 10 so that they weigh about as much as the classification terms."""
         f = torch.nn.functional
         covered = targets["covered"]
         on_object = features[covered]
-        return (
+        loss = (
             10 * f.mse_loss(self.place(features), targets["place"])
             + f.binary_cross_entropy_with_logits(self.covered(features)[..., 0], covered.float())
             + f.cross_entropy(self.colour(on_object), targets["colour"][covered])
             + f.cross_entropy(self.shape(on_object), targets["shape"][covered])
             + 10 * f.mse_loss(self.box(on_object), targets["box"][covered])
         )
+        if self.centres is not None:
+            loss = loss + f.mse_loss(self.centres(features)[..., 0], targets["centres"])
+        return loss
 
 
 def vision_step(policy: Policy, heads: TokenHeads, scenes: list[Scene]) -> torch.Tensor:
@@ -204,6 +298,10 @@ def loosened(box, margin: float, width: int, height: int) -> list[float]:
 
 
 def target_text(policy: Policy, sample: Sample, input_size, original_size, box_margin: float = 0.0) -> str:
+    """The supervised completion: the reference thought, then the answer (a grounding box in the model's
+    frame, loosened by ``box_margin``; any other task's answer as written)."""
+    if sample.task != "grounding":
+        return f"<think>{sample.meta['reference_thought']}</think><answer>{sample.answer}</answer>"
     label = loosened(sample.answer, box_margin, sample.meta["width"], sample.meta["height"]) if box_margin else sample.answer
     box = from_original_pixels(label, policy.frame, input_size, original_size)
     coords = ",".join(str(round(v)) for v in box)
@@ -224,9 +322,9 @@ def supervised_step(policy: Policy, samples: list[Sample], instruction: str, box
     return -logprobs.sum() / sum(len(t) for t in targets)
 
 
-def held_out_report(policy: Policy, samples: list[Sample], snapshot: Path | None = None) -> str:
+def held_out_report(policy: Policy, samples: list[Sample], settings: EvalSettings | None = None, snapshot: Path | None = None) -> str:
     """Greedy held-out metrics as a line; with ``snapshot`` the model is also saved there."""
-    from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
+    from vlm_grpo_ma.evaluate import evaluate_task
 
     if snapshot is not None:
         policy.model.save_pretrained(snapshot)
@@ -234,7 +332,7 @@ def held_out_report(policy: Policy, samples: list[Sample], snapshot: Path | None
     was_training = policy.model.training
     policy.model.eval()
     with torch.no_grad():
-        metrics, _ = evaluate_task(policy, get_task("grounding"), samples, EvalSettings(), progress=False)
+        metrics, _ = evaluate_task(policy, get_task(samples[0].task), samples, settings or EvalSettings(), progress=False)
     policy.model.train(was_training)
     return " ".join(f"{k} {metrics[k]:.3f}" for k in ("reward", "iou", "format", "accuracy") if k in metrics)
 
@@ -266,7 +364,9 @@ def _train(parameters, steps: int, learning_rate: float, step_loss, *, label: st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=TINY_EXACT_MODEL_DIR)
+    parser.add_argument("--task", choices=sorted(STREAMS), default="grounding",
+                        help="what the model learns: grounding scenes, or counting pictures scored by the math task")
+    parser.add_argument("--out", type=Path, help="model folder to write (default: the committed one of --task)")
     parser.add_argument("--vision-steps", type=int, default=1500)
     parser.add_argument("--decoder-steps", type=int, default=4000)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -276,27 +376,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image-side", type=int, default=168, help="images are resized to at most side x side")
     parser.add_argument("--eval-every", type=int, default=500, help="held-out greedy report every N decoder steps")
     parser.add_argument("--eval-scenes", type=int, default=100)
+    parser.add_argument("--max-thought-tokens", type=int, default=40, help="thought limit of the held-out report")
     parser.add_argument("--snapshot", type=Path, help="also save the model here at every held-out report")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--box-margin", type=float, default=0.0, help="loose labels: grow every target box by this many pixels a side")
     parser.add_argument("--init", type=Path, help="start from this model folder instead of a fresh random model")
+    parser.add_argument("--slip-rate", type=float, default=0.0,
+                        help="counting: the share of sum and add labels with an arithmetic slip (see CountingStream)")
     args = parser.parse_args(argv)
     if not args.box_margin >= 0:
         parser.error(f"--box-margin must be a number of pixels >= 0, got {args.box_margin}")
+    if args.box_margin and args.task != "grounding":
+        parser.error(f"--box-margin loosens grounding boxes; --task {args.task} has none")
+    if not 0 <= args.slip_rate <= 1:
+        parser.error(f"--slip-rate must be a share in [0, 1], got {args.slip_rate}")
+    if args.slip_rate and args.task != "counting":
+        parser.error(f"--slip-rate puts slips in counting labels; --task {args.task} has none")
+    out = args.out or {"grounding": TINY_EXACT_MODEL_DIR, "counting": TINY_COUNT_MODEL_DIR}[args.task]
+    make_stream = STREAMS[args.task]
 
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
     init_dir = args.init or build_untrained(
-        args.out.with_name(args.out.name + "-init"), seed=args.seed, image_side=args.image_side
+        out.with_name(out.name + "-init"), seed=args.seed, image_side=args.image_side
     )
     policy = load_policy(str(init_dir), attn_implementation="sdpa")
     policy.model.train()
     visual = vision_tower(policy.model)
 
     if args.vision_steps:
-        heads = TokenHeads(policy.model.config.vision_config.out_hidden_size)
-        stream = SceneStream(VISION_SEED)
+        heads = TokenHeads(policy.model.config.vision_config.out_hidden_size, count_centres=args.task == "counting")
+        stream = make_stream(VISION_SEED)
         _train(
             [*visual.parameters(), *heads.parameters()],
             args.vision_steps,
@@ -307,9 +418,10 @@ def main(argv: list[str] | None = None) -> None:
     freeze_vision(policy.model)
     decoder_parameters = trainable_parameters(policy.model)
 
-    task = get_task("grounding")
-    stream = SceneStream(DECODER_SEED)
-    held_out = [scene.sample for scene in SceneStream(HELD_OUT_SEED).take(args.eval_scenes)]
+    task = get_task(SCORED_BY[args.task])
+    stream = CountingStream(DECODER_SEED, args.slip_rate) if args.task == "counting" else make_stream(DECODER_SEED)
+    held_out = [scene.sample for scene in make_stream(HELD_OUT_SEED).take(args.eval_scenes)]  # true labels
+    settings = EvalSettings(max_thought_tokens=args.max_thought_tokens)
     _train(
         decoder_parameters,
         args.decoder_steps,
@@ -318,15 +430,15 @@ def main(argv: list[str] | None = None) -> None:
             policy, [scene.sample for scene in stream.take(args.batch_size)], task.instruction, args.box_margin
         ),
         label="decoder",
-        report=lambda: held_out_report(policy, held_out, snapshot=args.snapshot),
+        report=lambda: held_out_report(policy, held_out, settings, snapshot=args.snapshot),
         report_every=args.eval_every,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    policy.model.save_pretrained(args.out)
-    policy.processor.save_pretrained(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policy.model.save_pretrained(out)
+    policy.processor.save_pretrained(out)
     if args.init is None:
         shutil.rmtree(init_dir, ignore_errors=True)
-    print(f"wrote the warm-started tiny model to {args.out}")
+    print(f"wrote the warm-started tiny model to {out}")
 
 
 if __name__ == "__main__":
