@@ -492,6 +492,8 @@ def _decode(
         sampled, sampled_logprobs = sampled.cpu(), sampled_logprobs.float().cpu()
         real = torch.tensor([not d for d in done])
         tokens = torch.where(real, sampled, pad)
+        # read once as Python lists: indexing a tensor element by element costs microseconds a call
+        sampled_tokens, sampled_values = sampled.tolist(), sampled_logprobs.tolist()
         for row in range(n):
             if done[row]:
                 continue
@@ -499,10 +501,12 @@ def _decode(
                 forced_out[row] and forced_out[row][-1] or step >= max_tokens - suffix_len
             )
             if forcing:
-                tokens[row] = forced_suffix[sum(forced_out[row])]
-            token = int(tokens[row])
+                token = forced_suffix[sum(forced_out[row])]
+                tokens[row] = token
+            else:
+                token = sampled_tokens[row]
             tokens_out[row].append(token)
-            logprobs_out[row].append(0.0 if forcing else float(sampled_logprobs[row]))
+            logprobs_out[row].append(0.0 if forcing else sampled_values[row])
             forced_out[row].append(bool(forcing))
             if forcing:
                 if sum(forced_out[row]) == suffix_len:
