@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -118,22 +120,24 @@ def test_target_text_with_a_margin_writes_the_loose_box(tiny_policy):
 
 
 @pytest.mark.parametrize("margin", ["-1", "nan"])
-def test_a_negative_or_nan_margin_is_refused_before_any_work(margin, capsys):
+def test_a_negative_or_nan_margin_is_refused_before_any_work(margin, capsys, tmp_path):
     from vlm_grpo_ma.warmstart import main
 
-    with pytest.raises(SystemExit):
-        main(["--box-margin", margin])
+    with pytest.raises(SystemExit):  # --out: were the check missing, the warm start would write there
+        main(["--box-margin", margin, "--out", str(tmp_path / "model")])
     assert f"--box-margin must be a number of pixels >= 0, got {float(margin)}" in capsys.readouterr().err
 
 
 def test_token_targets_count_the_object_centres_in_each_token():
     make_grounding = load_scene_generator()
-    # 112 px on a 4 x 4 grid: cells of 28 px. Two small objects with their centres in cell (0, 0), one in (3, 3).
+    # 112 px on a 4 x 4 grid: cells of 28 px. Two small objects with their centres in cell (0, 0), one in (3, 3),
+    # and one whose top-left corner is in cell (0, 0) but whose centre (30, 30) is in cell (1, 1).
     a = make_grounding.SceneObject("circle", "red", "small", (2, 2, 12, 12))
     b = make_grounding.SceneObject("square", "blue", "small", (14, 14, 26, 26))
     c = make_grounding.SceneObject("triangle", "green", "small", (90, 90, 110, 110))
-    centres = token_targets([a, b, c], grid_side=4, image_side=112)["centres"]
-    assert centres[0] == 2 and centres[15] == 1 and centres.sum() == 3
+    d = make_grounding.SceneObject("circle", "yellow", "small", (20, 20, 40, 40))
+    centres = token_targets([a, b, c, d], grid_side=4, image_side=112)["centres"]
+    assert centres[0] == 2 and centres[5] == 1 and centres[15] == 1 and centres.sum() == 4
 
 
 def test_counting_stream_is_reproducible_and_its_reference_completion_scores_full_marks(tiny_policy):
@@ -148,6 +152,9 @@ def test_counting_stream_is_reproducible_and_its_reference_completion_scores_ful
     for scene in first:
         sample = scene.sample
         assert sample.task == "math" and len(sample.images) == 1 and 3 <= len(scene.objects) <= 8
+        assert sample.answer == re.findall(r"\d+", sample.meta["reference_thought"])[-1]  # the thought's result
+        if sample.question == "How many shapes are there in total?":
+            assert sample.answer == str(len(scene.objects))
         text = target_text(tiny_policy, sample, input_size=(112, 112), original_size=(112, 112))
         assert text == f"<think>{sample.meta['reference_thought']}</think><answer>{sample.answer}</answer>"
         cut = text.index("</think>") + len("</think>")
@@ -165,11 +172,11 @@ def test_a_counting_vision_step_trains_the_centres_head(tiny_policy):
     tiny_policy.model.zero_grad(set_to_none=True)
 
 
-def test_a_box_margin_is_refused_for_counting(capsys):
+def test_a_box_margin_is_refused_for_counting(capsys, tmp_path):
     from vlm_grpo_ma.warmstart import main
 
     with pytest.raises(SystemExit):
-        main(["--task", "counting", "--box-margin", "5"])
+        main(["--task", "counting", "--box-margin", "5", "--out", str(tmp_path / "model")])
     assert "--box-margin loosens grounding boxes; --task counting has none" in capsys.readouterr().err
 
 
@@ -197,9 +204,9 @@ def test_slips_change_only_the_last_sum_of_sum_and_add_labels():
     (["--task", "counting", "--slip-rate", "1.5"], "--slip-rate must be a share in [0, 1], got 1.5"),
     (["--task", "grounding", "--slip-rate", "0.5"], "--slip-rate puts slips in counting labels; --task grounding has none"),
 ])
-def test_a_bad_slip_rate_is_refused_before_any_work(args, message, capsys):
+def test_a_bad_slip_rate_is_refused_before_any_work(args, message, capsys, tmp_path):
     from vlm_grpo_ma.warmstart import main
 
-    with pytest.raises(SystemExit):
-        main(args)
+    with pytest.raises(SystemExit):  # --out: were the check missing, the warm start would write there
+        main([*args, "--out", str(tmp_path / "model")])
     assert message in capsys.readouterr().err
