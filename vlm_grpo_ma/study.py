@@ -532,7 +532,8 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
     measured = variance.read_outputs(root / "variance")
     plots = {
         "heldout.png": plot_curves(summaries, report_dir / "heldout.png", main, f"held-out greedy {task} {main}"),
-        "accuracy.png": plot_curves(summaries, report_dir / "accuracy.png", held_out.accuracy, f"held-out greedy {task} accuracy"),
+        "accuracy.png": held_out.accuracy != main
+        and plot_curves(summaries, report_dir / "accuracy.png", held_out.accuracy, f"held-out greedy {task} accuracy"),
         "right_thoughts.png": has_thoughts and plot_curves(summaries, report_dir / "right_thoughts.png", held_out.right_thought,
                                                            "held-out share of right thoughts"),  # fmt: skip
         "reward.png": plot_curves(summaries, report_dir / "reward.png", None, "mean training reward (smoothed)"),
@@ -544,6 +545,7 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
     target = reference.eval_curve(main)[-1] if reference.eval_curve(main) else math.nan
     _, ref_seconds, ref_tokens = reference.reach(main, target)
     link = lambda name: [f"![{name}]({name})", ""] if plots.get(name) else []  # noqa: E731
+    accuracy_header = "" if held_out.accuracy == main else "held-out accuracy | "  # math's main metric is its accuracy
     lines = [
         "# GRPO-MA study",
         "",
@@ -563,14 +565,15 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
         f"reaches it where its seed-mean held-out curve first does (linearly interpolated between evaluations); its "
         "wall time and tokens are the seed means at that step. Per seed: each seed's own curve against the same target.",
         "",
-        f"| setting | objective | held-out {main}, start -> end (seeds at the end) | held-out accuracy | step reached | wall time (s) | ratio | "
-        "generated tokens | ratio | per-seed wall time to reach (s) | sampling s/step | update s/step | tokens/step | spike score |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| setting | objective | held-out {main}, start -> end (seeds at the end) | {accuracy_header}step reached | wall time (s) | "
+        "ratio | generated tokens | ratio | per-seed wall time to reach (s) | sampling s/step | update s/step | tokens/step | spike score |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if accuracy_header else ""),
     ]
     for s in summaries:
         step, seconds, tokens = s.reach(main, target)
+        accuracy_cell = f"{s.eval_change(held_out.accuracy, '.2f')} | " if accuracy_header else ""
         lines.append(
-            f"| {s.setting.name} | {objective(s.setting)} | {s.eval_change(main)} | {s.eval_change(held_out.accuracy, '.2f')} | "
+            f"| {s.setting.name} | {objective(s.setting)} | {s.eval_change(main)} | {accuracy_cell}"
             f"{'not reached' if step is None else f'{step:.0f}'} | {_fmt(seconds, '.0f')} | {_ratio(seconds, ref_seconds)} | "
             f"{_fmt(tokens, ',.0f')} | {_ratio(tokens, ref_tokens)} | {_spread(s.reach_per_seed(main, target), '.0f')} | "
             f"{s.rollout_seconds():.3f} | {s.update_seconds():.3f} | {_fmt(s.tokens_per_step(), ',.0f')} | "
@@ -643,7 +646,7 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
         "`grpo_ma/thought_value_noise_var` is s2 / M computed from each step's own answers (s2: the variance of single "
         "rewards within a thought, `grpo_ma/answer_reward_var`). It falls like 1/M by its definition whenever s2 stays "
         "the same; it is a cheap per-step diagnostic of how noisy the thought values are, not a measurement of the law "
-        "(the section above is).",
+        "(`python -m vlm_grpo_ma.variance`, redrawing answers for fixed thoughts, is).",
         "",
         "| setting | s2 / M (mean over steps and seeds) | s2 | thought / answer tokens |",
         "|---|---|---|---|",
@@ -875,7 +878,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "grid.json").write_text(json.dumps({"task": args.task, **{k: str(v) for k, v in vars(grid).items()}}, indent=2))
-    command = "python -m vlm_grpo_ma.study " + " ".join(argv if argv is not None else sys.argv[1:])
+    # the command that made the runs: --report-only rewrites the report of the same grid
+    command = "python -m vlm_grpo_ma.study " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]) if a != "--report-only")
     if not args.report_only:
         try:
             run_grid(grid, root, task=args.task, jobs=args.jobs, log=lambda line: print(line, flush=True))
