@@ -56,10 +56,10 @@ from pathlib import Path
 import torch
 
 from vlm_grpo_ma.coords import from_original_pixels
+from vlm_grpo_ma.evaluate import EvalSettings
 from vlm_grpo_ma.lora import freeze_vision, trainable_parameters, vision_tower
 from vlm_grpo_ma.policy import Policy, encode_prompt, load_policy, sequence_logprobs
 from vlm_grpo_ma.registry import Sample, get_task
-from vlm_grpo_ma.evaluate import EvalSettings
 from vlm_grpo_ma.tiny import TINY_COUNT_MODEL_DIR, TINY_EXACT_MODEL_DIR, build_untrained
 
 DATA_SCRIPTS = Path(__file__).resolve().parents[1] / "data"
