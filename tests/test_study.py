@@ -3,6 +3,7 @@
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +207,11 @@ def test_equal_wall_time_and_equal_thought_count_comparisons(tmp_path):
     claims = "\n".join(study.claims([reference, grpo_ma, grpo], reference, None, "iou"))
     assert "*What a step buys (T4A4).* After the same 10 steps its held-out iou is 0.480 against T16A1's 0.500" in claims
     assert "its step costs 0.50x T16A1's" in claims
+
+
+@pytest.mark.parametrize("report", sorted((Path(__file__).resolve().parents[1] / "docs" / "study").rglob("report.md")),
+                         ids=lambda path: str(path.parent.name))
+def test_every_image_a_committed_report_links_is_committed(report):
+    linked = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report.read_text())
+    assert linked and all((report.parent / name).is_file() for name in linked), [n for n in linked if not (report.parent / n).is_file()]
+    assert report.read_text().startswith("# GRPO-MA study\n\nCommand: `python -m vlm_grpo_ma.study ")
