@@ -554,7 +554,7 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
         f"Task {task}; settings {', '.join(s.setting.name for s in summaries)}; seeds {', '.join(map(str, grid.seeds))}; "
         f"{grid.steps} steps of {grid.prompts_per_step} prompts; held-out greedy evaluation of {grid.eval_samples} "
         f"samples before step 1 and every {grid.eval_every} steps. Every run sees the same prompts in the same order; "
-        f"config file: {grid.config or 'none (the built-in defaults)'}; extra overrides: {' '.join(grid.extra) or 'none'}. Wall time is the training steps' own (evaluations excluded). "
+        f"{f'config file: {grid.config}; ' if grid.config else ''}extra overrides: {' '.join(grid.extra) or 'none'}. Wall time is the training steps' own (evaluations excluded). "
         "Objectives: M = 1 rows train GRPO (`algorithm.advantage_estimator=grpo`, each thought + answer one sequence, "
         "the prompt's answers as baseline); M >= 2 rows train GRPO-MA (answer baseline: the thought's answers); the loss "
         f"is averaged with `algorithm.loss_aggregation={grid.loss_aggregation()}`.",
@@ -646,7 +646,7 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
         "`grpo_ma/thought_value_noise_var` is s2 / M computed from each step's own answers (s2: the variance of single "
         "rewards within a thought, `grpo_ma/answer_reward_var`). It falls like 1/M by its definition whenever s2 stays "
         "the same; it is a cheap per-step diagnostic of how noisy the thought values are, not a measurement of the law "
-        "(`python -m vlm_grpo_ma.variance`, redrawing answers for fixed thoughts, is).",
+        + ("(the section above is)." if measured is not None else "(`python -m vlm_grpo_ma.variance`, redrawing answers for fixed thoughts, is)."),
         "",
         "| setting | s2 / M (mean over steps and seeds) | s2 | thought / answer tokens |",
         "|---|---|---|---|",
