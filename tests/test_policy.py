@@ -312,3 +312,31 @@ def test_decoding_reads_the_kv_cache(tiny_policy):
         cached = _policy_logprobs(logits, 1.0, tiny_policy.suppressed_token_ids)[0, second]
         full = sequence_logprobs(tiny_policy, [prompt], [0], [[first, second]], temperature=1.0)[0, 1]
     assert abs(float(cached) - float(full)) < 1e-4
+
+
+def test_the_log_prob_head_does_not_copy_its_weight_per_row(tiny_policy):
+    """With a frozen output head (LoRA, a frozen tied embedding), the shared-prefix forward's thought
+    log-probs must not make matmul copy the [H, V] weight once per row: at a real vocabulary that copy is
+    ~1 GB. Planted and seen to fail: the head fed the sliced hidden states as they come (no .contiguous())."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from vlm_grpo_ma.policy import shared_prefix_logprobs
+
+    prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
+    tree = sample_tree(tiny_policy, prompts, num_thoughts=4, num_answers=2, settings=_settings(seed=3, answer_stop="e"))
+    row_prompt, completions, thought_lengths = _tree_rows(tiny_policy, prompts, tree, 4, 2)
+    head = tiny_policy.model.lm_head.weight
+    frozen = [p for p in tiny_policy.model.parameters() if p.data_ptr() == head.data_ptr()]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+            logprobs = shared_prefix_logprobs(tiny_policy, prompts, row_prompt, completions, thought_lengths, temperature=1.0)
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    assert logprobs.requires_grad
+    vocab, hidden = head.shape
+    # the copy: an op that allocates while taking a batch of [H, V] weights (the bmm path's .contiguous())
+    copies = [(e.name, e.input_shapes) for e in prof.events() if e.cpu_memory_usage > 0 and any(len(shape) == 3 and shape[1:] == [hidden, vocab] for shape in e.input_shapes)]
+    assert not copies, f"the head's weight was copied per row: {copies[:3]}"

@@ -12,13 +12,18 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   tensor; SGD none. FSDP: the moments 1/N (every process keeps its step counts).
 - KL reference (``algorithm.kl_coef > 0``): a frozen copy of the weights (FSDP: 1/N); none with LoRA, whose
   reference is the same model with the adapters off.
-- activations (the update's peak): one micro-batch of ``train.micro_batch_rows`` rows, each re-encoding
-  prompt + thought + answer (gradient checkpointing drops the KV cache, so rows are not tree-shared): the
-  checkpointed input of every decoder layer, one layer's recomputed tensors (4 x hidden + 2 x (q + kv) + 3 x
-  intermediate per token), and the log-prob head: [rows, thought + answer, vocabulary] logits in the compute
-  dtype, their fp32 copy, log-softmax and its gradient (3 x 4 bytes). Without checkpointing the rows are
-  tree-shared (each prompt and thought of the micro-batch encoded once, ``policy.shared_prefix_logprobs``) and
-  every layer's tensors of those tokens are kept. A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
+- activations (the update's peak): one micro-batch of ``train.micro_batch_rows`` rows. What a decoder layer
+  keeps for backward per token it encodes (``layer_bytes_per_token``) is the inventory autograd saves, measured
+  with saved-tensor hooks (tests/test_memory.py): both RMSNorms' inputs in fp32, the projections' inputs, the
+  MLP's four intermediate-width tensors, the new keys and values, LoRA's input casts and rank-wide outputs,
+  Qwen3-VL's q/k norm inputs. Attention also keeps, per layer and row of a block, the keys and values of the
+  row's whole context repeated to every query head (sdpa's grouped-query path; ``attention_bytes``). With
+  LoRA under bf16 autocast the adapters' bf16 casts are kept too. Gradient checkpointing (rows re-encode
+  prompt + thought + answer: transformers drops the KV cache) keeps every layer's input and one layer's
+  tensors at a time; without it the rows are tree-shared (each prompt and thought of the micro-batch encoded
+  once, ``policy.shared_prefix_logprobs``) and every layer's tensors of those tokens are kept. The log-prob
+  head: the scored positions' logits in the compute dtype, their fp32 copy, log-softmax and its gradient
+  (3 x 4 bytes). A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
 - KV cache (the rollout's peak): keys and values of every layer for the process's prompts x (K x M + K) rows
   (the K thought rows and their K x M copies exist together while the cache is repeated), each of prompt +
   thought + answer tokens, in the compute dtype; plus the sampled rows' fp32 logits, probabilities and
@@ -102,6 +107,47 @@ def trained_counts(arch: Architecture, cfg: Config) -> tuple[int, int, int]:
     return counts.total, counts.text_tensors + counts.vision_tensors, DTYPE_BYTES[cfg.model.dtype]
 
 
+def layer_bytes_per_token(arch: Architecture, cfg: Config) -> int:
+    """Bytes one decoder layer keeps for backward per token it encodes, besides attention's keys and values over
+    the context (``attention_bytes``). Counted from what autograd saves (tests/test_memory.py measures it):
+    the two RMSNorms' inputs in fp32 (2 x hidden x 4), the MLP's gate, up, activation and product (4 x
+    intermediate), the new keys and values (2 x kv), the attention and MLP projections' inputs (4 x hidden; with
+    LoRA on them 6 x hidden, and each adapter's rank-wide output), and Qwen3-VL's q/k norms' fp32 inputs (and,
+    when those norms are trained, their outputs)."""
+    a = compute_bytes(cfg)
+    t = arch.text
+    h, intermediate = t["hidden_size"], t["intermediate_size"]
+    q, kv = t["num_attention_heads"] * head_dim(t), t["num_key_value_heads"] * head_dim(t)
+    lora = cfg.model.lora_rank > 0
+    kept = 2 * h * 4 + 4 * intermediate * a + 2 * kv * a
+    kept += (6 * h + len(cfg.model.lora_target_modules) * cfg.model.lora_rank) * a if lora else 4 * h * a
+    if arch.family == "qwen3_vl":
+        kept += (q + kv) * 4 + (0 if lora else (q + kv) * a)
+    return kept
+
+
+def attention_bytes(arch: Architecture, cfg: Config, rows: int, context: int) -> int:
+    """Bytes one decoder layer's attention keeps for ``rows`` rows that attend to ``context`` tokens each: their
+    keys and values repeated to every query head (transformers' sdpa path copies them for grouped-query
+    attention; flash-attention keeps them unrepeated, so this is an upper bound there)."""
+    t = arch.text
+    return 2 * rows * context * t["num_attention_heads"] * head_dim(t) * compute_bytes(cfg)
+
+
+def tree_shared_layer_bytes(arch: Architecture, cfg: Config, *, prompts: int, prompt_tokens: int, thoughts: int, thought_tokens: int, rows: int, answer_tokens: int) -> int:
+    """Bytes one decoder layer keeps in the tree-shared training forward (``policy.shared_prefix_logprobs``):
+    ``prompts`` prompts encoded once, ``thoughts`` thoughts once each on their prompt's cache, ``rows`` answers on
+    their thought's (an answer's last token is not fed: it predicts nothing scored)."""
+    answer_fed = max(answer_tokens - 1, 1)
+    encoded = prompts * prompt_tokens + thoughts * thought_tokens + rows * answer_fed
+    attention = (
+        attention_bytes(arch, cfg, prompts, prompt_tokens)
+        + attention_bytes(arch, cfg, thoughts, prompt_tokens + thought_tokens)
+        + attention_bytes(arch, cfg, rows, prompt_tokens + thought_tokens + answer_fed)
+    )
+    return encoded * layer_bytes_per_token(arch, cfg) + attention
+
+
 def estimate(arch: Architecture, cfg: Config, processes: int = 1, strategy: str = "ddp", prompt_text_tokens: int = PROMPT_TEXT_TOKENS) -> MemoryEstimate:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
@@ -129,28 +175,31 @@ def estimate(arch: Architecture, cfg: Config, processes: int = 1, strategy: str 
     a = compute_bytes(cfg)
     t = arch.text
     h, layers, vocab = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
-    q, kv = t["num_attention_heads"] * head_dim(t), t["num_key_value_heads"] * head_dim(t)
-    completion = cfg.rollout.max_thought_tokens + cfg.rollout.max_answer_tokens
-    images = visual_tokens(arch, cfg.model.max_pixels)
-    sequence = images + prompt_text_tokens + completion
+    kv = t["num_key_value_heads"] * head_dim(t)
+    thought_tokens, answer_tokens = cfg.rollout.max_thought_tokens, cfg.rollout.max_answer_tokens
+    completion = thought_tokens + answer_tokens
+    prompt_tokens = visual_tokens(arch, cfg.model.max_pixels) + prompt_text_tokens
+    sequence = prompt_tokens + completion
     micro = min(cfg.train.micro_batch_rows, rows)
-    per_token = (4 * h + 2 * (q + kv) + 3 * t["intermediate_size"]) * a  # one layer's tensors kept for backward
     if cfg.model.gradient_checkpointing:  # rows re-encoded; layer inputs kept, one layer recomputed at a time
-        decoder = layers * micro * sequence * h * a + micro * sequence * per_token
+        decoder = layers * micro * sequence * h * a + micro * sequence * layer_bytes_per_token(arch, cfg) + attention_bytes(arch, cfg, micro, sequence)
+        head = micro * completion * vocab * (a + 12)
     else:  # tree-shared: each prompt and thought of the micro-batch encoded once, every layer's tensors kept
         micro_prompts = min(prompts, math.ceil(micro / (k * m)))
         micro_thoughts = min(micro_prompts * k, math.ceil(micro / m))
-        encoded = micro_prompts * (images + prompt_text_tokens) + micro_thoughts * cfg.rollout.max_thought_tokens + micro * cfg.rollout.max_answer_tokens
-        decoder = layers * encoded * per_token
-    head = micro * completion * vocab * (a + 12)
+        decoder = layers * tree_shared_layer_bytes(arch, cfg, prompts=micro_prompts, prompt_tokens=prompt_tokens, thoughts=micro_thoughts,
+                                                   thought_tokens=thought_tokens, rows=micro, answer_tokens=answer_tokens)  # fmt: skip
+        head = (micro_thoughts * thought_tokens + micro * answer_tokens) * vocab * (a + 12)  # each thought scored once
+    lora_casts = trained * a if cfg.model.lora_rank > 0 and a < trained_bytes else 0  # autocast's casts of the adapters
     vision = 0
     if not cfg.model.freeze_vision and cfg.model.lora_rank == 0:
         v = arch.vision
         width = v.get("embed_dim") or v["hidden_size"]
+        images = visual_tokens(arch, cfg.model.max_pixels)
         patches = images * v["spatial_merge_size"] ** 2
         distinct_images = min(micro, prompts)  # rows of one prompt share its image's encoding
         vision = distinct_images * patches * width * a * v["depth"]
-    activations = decoder + head + vision
+    activations = decoder + head + lora_casts + vision
 
     kv_rows = prompts * (k * m + k)
     kv_cache = kv_rows * sequence * layers * 2 * kv * a + prompts * k * m * vocab * 12
