@@ -4,6 +4,7 @@ resume, at Qwen2.5-VL-3B's, Qwen2-VL-2B's and Qwen3-VL-4B's real sizes on this C
     .venv/bin/python scripts/check_real_size.py                          # the three families, one after another
     .venv/bin/python scripts/check_real_size.py --models qwen3-vl-2b     # any of vlm_grpo_ma.architectures.ARCHITECTURES
     .venv/bin/python scripts/check_real_size.py --shrunk                 # the same path on shrunk copies (seconds)
+    .venv/bin/python scripts/check_real_size.py --gradient-checkpointing # the preset's checkpointed update
 
 For each model, one at a time (a 3B-4B model in bf16 takes 8-9 GB of host memory):
 1. builds it from ``vlm_grpo_ma.architectures`` (the published config.json numbers: every width and depth, the
@@ -15,8 +16,8 @@ For each model, one at a time (a 3B-4B model in bf16 takes 8-9 GB of host memory
    (LoRA rank 64 on every projection, frozen vision tower, bf16 weights and autocast), overriding only what
    keeps it to minutes on two CPU cores: 2 steps of 1 prompt (an embedded scene upscaled to 448 px),
    K = 2 x M = 2, thoughts <= 8 tokens, answers <= 4, and gradient checkpointing off (the tree-shared
-   training forward: each prompt encoded once instead of K x M times); the trainer saves the LoRA
-   checkpoint after step 2;
+   training forward: each prompt encoded once instead of K x M times; ``--gradient-checkpointing`` keeps
+   the preset's, ~5x the compute); the trainer saves the LoRA checkpoint after step 2;
 3. resumes that run (``--resume``) for a third step;
 4. prints per run: exit code, step times (from metrics.jsonl), and the trainer process's peak RSS (the
    kernel's ru_maxrss of that child); next to it the memory model's prediction for the same config on one
@@ -51,9 +52,9 @@ TOLERANCE = 0.20  # the memory model against the measured peak RSS
 PUBLISHED_ROUNDED = 0.005  # a published count rounded to 10M parameters: compared to 0.5%
 
 
-def overrides(model_dir: Path, steps: int) -> list[str]:
+def overrides(model_dir: Path, steps: int, checkpointing: bool = False) -> list[str]:
     """The preset's settings, made to fit a CPU: the token limits, K x M, the batch and the engine (hf) are the
-    only changes."""
+    only changes, and gradient checkpointing unless ``checkpointing``."""
     pixels = IMAGE_SIDE * IMAGE_SIDE
     return [
         f"model.name_or_path={model_dir}",
@@ -62,9 +63,9 @@ def overrides(model_dir: Path, steps: int) -> list[str]:
         f"train.steps={steps}",
         "train.prompts_per_step=1",
         "train.micro_batch_rows=4",
-        # the tree-shared training forward (each prompt and thought encoded once): ~5x less compute here than
-        # re-encoding every row under gradient checkpointing, which makes the CPU run minutes, not an hour
-        "model.gradient_checkpointing=false",
+        # by default the tree-shared training forward (each prompt and thought encoded once): ~5x less compute
+        # here than re-encoding every row under the preset's gradient checkpointing (--gradient-checkpointing)
+        f"model.gradient_checkpointing={str(checkpointing).lower()}",
         # the trainer's own sampler: the memory model counts its KV cache (the one-GPU presets name vLLM,
         # whose engine holds a second copy of the weights and a KV cache of its own size)
         "rollout.engine=hf",
@@ -128,11 +129,11 @@ def published_line(arch: architectures.Architecture, params: int) -> tuple[str, 
     )
 
 
-def predicted_bytes(arch: architectures.Architecture, model_dir: Path) -> int:
+def predicted_bytes(arch: architectures.Architecture, model_dir: Path, checkpointing: bool) -> int:
     from vlm_grpo_ma.config import load_config
     from vlm_grpo_ma.memory import estimate
 
-    cfg = load_config(str(PRESET), overrides(model_dir, 2))
+    cfg = load_config(str(PRESET), overrides(model_dir, 2, checkpointing))
     return estimate(arch, cfg, processes=1, strategy="ddp").peak
 
 
@@ -144,7 +145,7 @@ def step_figures(run_dir: Path) -> list[tuple[int, float]]:
     return [(int(r["step"]), float(r["time/step_seconds"])) for r in records if "time/step_seconds" in r]
 
 
-def check_model(name: str, arch: architectures.Architecture, work: Path, env: dict, baseline_rss: float, shrunk: bool, reuse: bool, keep: bool) -> bool:
+def check_model(name: str, arch: architectures.Architecture, work: Path, env: dict, baseline_rss: float, shrunk: bool, reuse: bool, keep: bool, checkpointing: bool) -> bool:
     print(f"\n== {name}: {arch.hub_id} ({arch.family}) ==", flush=True)
     model_dir, run_dir = work / f"{name}-model", work / f"{name}-run"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -161,12 +162,12 @@ def check_model(name: str, arch: architectures.Architecture, work: Path, env: di
     line, ok = published_line(arch, params)
     built = f"built in bf16 and saved in {seconds:.0f} s (peak RSS {build_rss / 1e9:.2f} GB)" if build_rss else "reused"
     print(f"  {built}: {line}", flush=True)
-    predicted = predicted_bytes(arch, model_dir)
+    predicted = predicted_bytes(arch, model_dir, checkpointing)
     train = [sys.executable, "-m", "vlm_grpo_ma.train", "--config", str(PRESET), "--output-dir", str(run_dir)]
     # the first run logs steps 1 and 2 and saves; the resumed one logs step 3 only (a restart would log 1-3)
     runs = [
-        ("2 steps + checkpoint", train + overrides(model_dir, 2), [1, 2]),
-        ("resume, step 3", train + ["--resume"] + overrides(model_dir, 3), [3]),
+        ("2 steps + checkpoint", train + overrides(model_dir, 2, checkpointing), [1, 2]),
+        ("resume, step 3", train + ["--resume"] + overrides(model_dir, 3, checkpointing), [3]),
     ]
     for title, command, expected_steps in runs:
         logged_before = len(step_figures(run_dir))
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, help="where the models, runs and logs go (kept); default: a temporary folder, removed")
     parser.add_argument("--reuse-models", action="store_true", help="with --work-dir: use the model folders an earlier run left there")
     parser.add_argument("--keep-models", action="store_true", help="keep each model folder (4-9 GB) after its runs")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="the preset's gradient checkpointing (rows re-encoded: ~5x the compute)")
     parser.add_argument("--build", nargs=2, metavar=("MODEL", "DIR"), help=argparse.SUPPRESS)  # the builder child
     args = parser.parse_args(argv)
     if args.build:
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
         for name in args.models:
             arch = architectures.ARCHITECTURES[name]
-            ok &= check_model(name, architectures.shrunk(arch) if args.shrunk else arch, work, env, baseline, args.shrunk, args.reuse_models, args.keep_models)
+            ok &= check_model(name, architectures.shrunk(arch) if args.shrunk else arch, work, env, baseline, args.shrunk, args.reuse_models, args.keep_models, args.gradient_checkpointing)
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         print(f"\nthis script's own peak RSS (building the models): {own / 1e9:.2f} GB", flush=True)
         print("all checks passed" if ok else "SOME CHECKS FAILED", flush=True)
