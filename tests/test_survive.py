@@ -1,5 +1,6 @@
 """Issue 12, runs that survive: SIGTERM, unreadable images, non-finite numbers, bad data messages, resumed logs."""
 
+import contextlib
 import functools
 import json
 import logging
@@ -478,3 +479,29 @@ def test_the_same_signal_twice_within_the_grace_is_one_request_and_later_raises_
                 time.sleep(0.001)
     finally:
         restore()
+
+
+@pytest.mark.parametrize(
+    ("ending", "left_initialised"),
+    [("returns", False), ("stops together", False), ("fails on this process alone", True)],
+)
+def test_a_launched_run_leaves_its_process_group_before_exit_unless_a_collective_may_be_in_flight(tmp_path, ending, left_initialised):
+    """A process group left to interpreter teardown made gloo abort a DDP process now and then (SIGABRT,
+    "terminate called without an active exception", seen once in CI in the SIGTERM test) instead of exiting
+    with the run's code. The CLI destroys it when the run returned or stopped at a point every process reached,
+    and not after an error on one process alone. Planted and seen to fail: the destroy call removed."""
+    from vlm_grpo_ma.distributed import process_group_left_at_the_end
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with contextlib.suppress(RuntimeError):
+            with process_group_left_at_the_end():
+                torch.distributed.all_reduce(torch.ones(1))  # the group was used, as a run uses it
+                if ending != "returns":
+                    error = RuntimeError("stop")
+                    error.stopped_together = ending == "stops together"
+                    raise error
+        assert torch.distributed.is_initialized() is left_initialised
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

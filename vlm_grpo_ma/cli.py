@@ -8,6 +8,7 @@ import sys
 
 from vlm_grpo_ma import survive
 from vlm_grpo_ma.config import ConfigError, load_config
+from vlm_grpo_ma.distributed import process_group_left_at_the_end
 from vlm_grpo_ma.registry import get_task, import_task_modules
 from vlm_grpo_ma.train import train
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.resume and args.overwrite:
             raise ConfigError("--resume continues the run in the run directory and --overwrite deletes it; give one")
-        train(cfg, resume=args.resume, overwrite=args.overwrite)
+        with process_group_left_at_the_end():
+            train(cfg, resume=args.resume, overwrite=args.overwrite)
     except ConfigError as error:  # found when loading the data or the model
         print(f"error: {error}", file=sys.stderr)
         return 2

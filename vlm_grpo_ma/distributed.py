@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -37,6 +38,28 @@ def make_accelerator(cfg: Config):
             "(whole K x M groups)"
         )
     return accelerator
+
+
+@contextlib.contextmanager
+def process_group_left_at_the_end():
+    """Around a launched run's ``train()``: when it returns, or stops at a point every process reached
+    (``survive.together`` marks such errors ``stopped_together``), destroy the process group before the
+    interpreter exits. Left to interpreter teardown, gloo's worker threads are destroyed joinable now and then,
+    and the process aborts (SIGABRT, "terminate called without an active exception") instead of exiting with
+    the run's code. After an error on one process alone the group is left as it is: that process may have a
+    collective in flight, which destroying it could wait on."""
+    try:
+        yield
+    except BaseException as error:
+        if getattr(error, "stopped_together", False):
+            _destroy_process_group()
+        raise
+    _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def ddp_settings():

@@ -770,9 +770,9 @@ def sequence_logprobs(
         valid[r, : lengths[r]] = True
     gather_at, valid = gather_at.to(device), valid.to(device)
     picked = hidden.gather(1, gather_at[..., None].expand(-1, -1, hidden.shape[-1]))  # [N, T, H]
-    logits = policy.model.lm_head(picked)  # only completion positions: saves an [N, L, V] tensor
     targets, _ = _right_pad(completions, 0)
-    logprobs = _policy_logprobs(logits, temperature, policy.suppressed_token_ids).gather(-1, targets.to(device)[..., None]).squeeze(-1)
+    # the head runs at completion positions only: no [N, L, V] logits
+    logprobs = _token_logprobs(policy, picked, targets, temperature)
     if idle_vision is not None:
         logprobs = logprobs + idle_vision
     return logprobs.masked_fill(~valid, 0.0)
