@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from vlm_grpo_ma.policy import SamplingSettings, _generators_on, _sample_tokens, prompt_generators
+from vlm_grpo_ma.engines.decode import SamplingSettings, _generators_on, _sample_tokens, prompt_generators
 
 QWEN_VOCABULARY = 151_936
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     # (transformers' DynamicLayer) against the preallocated buffer sample_tree now uses.
     from transformers.cache_utils import DynamicLayer
 
-    from vlm_grpo_ma.policy import _preallocated_layer_class
+    from vlm_grpo_ma.model.cache import _preallocated_layer_class
 
     rows, prompt, steps = args.cache_rows, args.cache_prompt, args.cache_steps
     grown = time_cache_appends(DynamicLayer, rows, prompt, steps, 2, 128)

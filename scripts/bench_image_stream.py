@@ -80,11 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--prompts-per-step {args.prompts_per_step} is not a multiple of --processes {args.processes}")
 
     import tasks.grounding  # noqa: F401  (registers the task)
-    from vlm_grpo_ma.data import PromptStream
-    from vlm_grpo_ma.policy import load_policy
-    from vlm_grpo_ma.registry import get_task
-    from vlm_grpo_ma.tiny import build_untrained
-    from vlm_grpo_ma.train import draw_prompts, encode_sample
+    from vlm_grpo_ma.model.loading import load_policy
+    from vlm_grpo_ma.model.tiny import build_untrained
+    from vlm_grpo_ma.run.loop import draw_prompts, encode_sample
+    from vlm_grpo_ma.task_api.registry import get_task
+    from vlm_grpo_ma.task_api.streams import PromptStream
 
     with tempfile.TemporaryDirectory() as work:
         work = Path(work)

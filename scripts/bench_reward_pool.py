@@ -15,9 +15,9 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from vlm_grpo_ma.registry import Completion, get_task
-from vlm_grpo_ma.reward_pool import RewardPool
-from vlm_grpo_ma.rewards import reward_weights_for, score_answers
+from vlm_grpo_ma.run.rewards import reward_weights_for, score_answers
+from vlm_grpo_ma.task_api.registry import Completion, get_task
+from vlm_grpo_ma.task_api.reward_pool import RewardPool
 
 
 def main() -> None:

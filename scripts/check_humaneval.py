@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tasks._sandbox import default_isolation  # noqa: E402
 from tasks.code import FAILURE_PARTS  # noqa: E402
-from vlm_grpo_ma.registry import Completion, Sample, get_task  # noqa: E402
+from vlm_grpo_ma.task_api.registry import Completion, Sample, get_task  # noqa: E402
 
 
 def completion_for(answer: str) -> Completion:

@@ -43,7 +43,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from vlm_grpo_ma import architectures  # noqa: E402
+from vlm_grpo_ma.model import architectures  # noqa: E402
 
 PRESET = REPO / "configs" / "qwen2.5-vl-3b-lora-grounding-t4a4.yaml"
 DEFAULT_MODELS = ("qwen2.5-vl-3b", "qwen2-vl-2b", "qwen3-vl-4b")
@@ -99,7 +99,7 @@ def build_folder(arch: architectures.Architecture, out_dir: Path) -> tuple[int, 
     """Build ``arch`` with random bf16 weights and save it with its processor; (parameters, seconds)."""
     from transformers import AutoTokenizer
 
-    from vlm_grpo_ma.tiny import TINY_MODEL_DIR
+    from vlm_grpo_ma.model.tiny import TINY_MODEL_DIR
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
@@ -130,8 +130,8 @@ def published_line(arch: architectures.Architecture, params: int) -> tuple[str, 
 
 
 def predicted_bytes(arch: architectures.Architecture, model_dir: Path, checkpointing: bool) -> int:
-    from vlm_grpo_ma.config import load_config
-    from vlm_grpo_ma.memory import estimate
+    from vlm_grpo_ma.run.config import load_config
+    from vlm_grpo_ma.tools.memory import estimate
 
     cfg = load_config(str(PRESET), overrides(model_dir, 2, checkpointing))
     return estimate(arch, cfg, processes=1, strategy="ddp").peak

@@ -131,7 +131,7 @@ def launch(
 def final_weights(run_dir: Path):
     from safetensors.torch import load_file
 
-    from vlm_grpo_ma.checkpoint import latest_checkpoint
+    from vlm_grpo_ma.run.checkpoint import latest_checkpoint
 
     return load_file(latest_checkpoint(run_dir) / "model" / "model.safetensors")
 
@@ -158,9 +158,9 @@ def memory_figures(run_dir: Path, processes: int) -> list[dict[str, float]]:
 
 def predicted_bytes(model_dir: Path, overrides: list[str], strategy: str) -> dict[str, int]:
     """What the memory model (vlm_grpo_ma.memory) predicts each of 2 processes holds after a step."""
-    from vlm_grpo_ma.architectures import architecture_of
-    from vlm_grpo_ma.config import load_config
-    from vlm_grpo_ma.memory import estimate
+    from vlm_grpo_ma.model.architectures import architecture_of
+    from vlm_grpo_ma.run.config import load_config
+    from vlm_grpo_ma.tools.memory import estimate
 
     e = estimate(architecture_of(str(model_dir)), load_config(None, overrides), 2, strategy)
     held = {"parameter": e.weights, "gradient": e.gradients_between_steps, "optimizer": e.optimizer, "reference": e.reference}
@@ -205,8 +205,8 @@ def check_reduce_scatters(run_dir: Path, processes: int) -> bool:
 def step_shares(overrides: list[str], steps: int, processes: int = 2) -> list[list[str]]:
     """Per step, per process, its prompts as I (with an image) or T (text-only), in micro-batch order: the
     run's own prompt stream, replayed."""
-    from vlm_grpo_ma.config import load_config
-    from vlm_grpo_ma.run_setup import load_prompt_stream
+    from vlm_grpo_ma.run.config import load_config
+    from vlm_grpo_ma.run.setup import load_prompt_stream
 
     cfg = load_config(None, overrides)
     _, stream = load_prompt_stream(cfg)
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixture", action="store_true", help="train grounding scenes (images) + code (text-only) mixed")
     parser.add_argument("--machines", type=int, choices=(1, 2), default=1, help="launch the two processes as two machines")
     args = parser.parse_args(argv)
-    from vlm_grpo_ma.tiny import build_untrained
+    from vlm_grpo_ma.model.tiny import build_untrained
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)

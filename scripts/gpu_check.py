@@ -40,8 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from vlm_grpo_ma import architectures  # noqa: E402
-from vlm_grpo_ma.architectures import QWEN2_5_VL_3B  # noqa: E402
+from vlm_grpo_ma.model import architectures  # noqa: E402
+from vlm_grpo_ma.model.architectures import QWEN2_5_VL_3B  # noqa: E402
 
 PRESETS = {
     False: REPO / "configs" / "qwen2.5-vl-3b-grounding-t4a4.yaml",
@@ -84,7 +84,7 @@ def tiny_processor():
     """The project's committed tiny tokenizer + Qwen2.5-VL processor (vlm_grpo_ma/assets/tiny-qwen2.5-vl)."""
     from transformers import AutoProcessor
 
-    from vlm_grpo_ma.tiny import TINY_MODEL_DIR
+    from vlm_grpo_ma.model.tiny import TINY_MODEL_DIR
 
     return AutoProcessor.from_pretrained(TINY_MODEL_DIR)
 
@@ -274,7 +274,7 @@ def environment_line(device: str) -> str:
     import torch
     import transformers
 
-    from vlm_grpo_ma.policy import pick_attn_implementation
+    from vlm_grpo_ma.model.loading import pick_attn_implementation
 
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else "none (CPU run)"
     return (
@@ -369,7 +369,7 @@ def training_section(args, key: str, model_dir: Path, work: Path, env: dict, bud
     started = time.perf_counter()
     with GpuMemoryPoller() as poller:
         returncode, log_text = run_streaming(command, env, log_path, timeout=budget.left(), echo=False)
-    from vlm_grpo_ma.metrics import read_metrics
+    from vlm_grpo_ma.run.metrics import read_metrics
 
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     result = summarize_run(records, log_text)
@@ -420,9 +420,10 @@ def forward_section(args, model_dir: Path, budget: Budget) -> dict:
     (flash_attention_2 sees the padded holes the shared forward leaves in the KV cache)."""
     import torch
 
-    from vlm_grpo_ma import lora
-    from vlm_grpo_ma.bench import BenchTree, bench_prompts, bench_train
-    from vlm_grpo_ma.policy import load_policy
+    from vlm_grpo_ma.model import lora
+    from vlm_grpo_ma.model.loading import load_policy
+    from vlm_grpo_ma.tools.bench import bench_train
+    from vlm_grpo_ma.tools.bench_inputs import BenchTree, bench_prompts
 
     run = RUN_DEFAULTS[args.size]
     pixels = SPECS[args.size]["image_pixels"]
@@ -471,7 +472,7 @@ def fsdp_section(args, model_dir: Path, work: Path, env: dict, budget: Budget) -
     command = train_command(args, model_dir, run_dir, launcher=launcher, steps=2)
     print("  " + " ".join(command[1:]), flush=True)
     returncode, log_text = run_streaming(command, env, work / "train-fsdp.log", timeout=budget.left(), echo=False)
-    from vlm_grpo_ma.metrics import read_metrics
+    from vlm_grpo_ma.run.metrics import read_metrics
 
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     last = records[-1] if records else {}

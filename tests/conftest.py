@@ -22,14 +22,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def untrained_tiny_dir(tmp_path_factory):
     """A randomly initialised tiny Qwen2.5-VL saved to disk (built in about a second, no download)."""
-    from vlm_grpo_ma.tiny import build_untrained
+    from vlm_grpo_ma.model.tiny import build_untrained
 
     return build_untrained(tmp_path_factory.mktemp("tiny-init"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_policy(untrained_tiny_dir):
-    from vlm_grpo_ma.policy import load_policy
+    from vlm_grpo_ma.model.loading import load_policy
 
     policy = load_policy(str(untrained_tiny_dir), attn_implementation="sdpa")
     policy.model.eval()
@@ -53,7 +53,7 @@ TINY_RUN = (
 
 def tiny_run_config(model_dir, out_dir, *extra, steps: int = 4):
     """The config of a tiny end-to-end run of ``steps`` steps in ``out_dir`` (``extra``: more overrides)."""
-    from vlm_grpo_ma.config import load_config
+    from vlm_grpo_ma.run.config import load_config
 
     return load_config(
         None, [f"model.name_or_path={model_dir}", f"train.output_dir={out_dir}", f"train.steps={steps}", *TINY_RUN, *extra]

@@ -21,16 +21,13 @@ import torch
 import torch.distributed as dist
 
 from tasks import grounding  # noqa: F401  (registers the task)
-from vlm_grpo_ma import lora, sharding
-from vlm_grpo_ma.policy import (
-    CompletionScorer,
-    SamplingSettings,
-    encode_prompt,
-    load_policy,
-    prompt_generators,
-    sample_tree,
-)
-from vlm_grpo_ma.registry import get_task
+from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators, sample_tree
+from vlm_grpo_ma.model import lora
+from vlm_grpo_ma.model.loading import load_policy
+from vlm_grpo_ma.model.logprobs import CompletionScorer
+from vlm_grpo_ma.model.prompts import encode_prompt
+from vlm_grpo_ma.run import sharding
+from vlm_grpo_ma.task_api.registry import get_task
 
 PROMPTS_PER_RANK, K, M = 2, 2, 2
 

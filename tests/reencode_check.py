@@ -2,7 +2,7 @@
 
 import torch
 
-from vlm_grpo_ma.policy import sequence_logprobs
+from vlm_grpo_ma.model.logprobs import sequence_logprobs
 
 
 def branched_vs_reencoded(policy, prompts, tree, num_thoughts, num_answers) -> tuple[float, int]:

@@ -5,7 +5,7 @@ import os
 import time
 from pathlib import Path
 
-from vlm_grpo_ma.registry import Task, register_task
+from vlm_grpo_ma.task_api.registry import Task, register_task
 
 
 def length_or_raise(completion, sample):

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from vlm_grpo_ma.advantages import (
+from vlm_grpo_ma.algorithm.advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     flat_grpo_advantages,
@@ -342,7 +342,7 @@ def test_each_estimator_against_a_hand_computed_table(name, numerics, thought, a
 
 
 def test_the_registry_names_its_estimators_and_the_default_is_grpo_ma():
-    from vlm_grpo_ma.config import AlgorithmConfig
+    from vlm_grpo_ma.run.config import AlgorithmConfig
 
     assert ADVANTAGE_ESTIMATORS == {"grpo_ma": grpo_ma_advantages, "grpo": flat_grpo_advantages}
     assert AlgorithmConfig().advantage_estimator == "grpo_ma"

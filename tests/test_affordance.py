@@ -14,8 +14,8 @@ from PIL import Image
 
 from tasks import affordance
 from tasks.affordance import AffordanceTarget
-from vlm_grpo_ma.coords import CoordinateFrame, from_original_pixels
-from vlm_grpo_ma.registry import Completion, Sample, get_task
+from vlm_grpo_ma.task_api.coords import CoordinateFrame, from_original_pixels
+from vlm_grpo_ma.task_api.registry import Completion, Sample, get_task
 
 EXACT = 1e-12
 REPO = Path(__file__).resolve().parents[1]

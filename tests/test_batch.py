@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from vlm_grpo_ma.batch import build_train_batch
-from vlm_grpo_ma.loss import LOSS_AGGREGATIONS, aggregation_weights, policy_loss
-from vlm_grpo_ma.policy import TreeSample
-from vlm_grpo_ma.rollout import Rollout
+from vlm_grpo_ma.algorithm.loss import LOSS_AGGREGATIONS, aggregation_weights, policy_loss
+from vlm_grpo_ma.engines.decode import TreeSample
+from vlm_grpo_ma.engines.rollout import Rollout
+from vlm_grpo_ma.run.batch import build_train_batch
 
 
 def _rollout():
@@ -194,7 +194,7 @@ def test_unknown_aggregation_names_the_known_ones():
 
 
 def test_config_choices_are_the_registered_aggregations():
-    from vlm_grpo_ma.config import CHOICES
+    from vlm_grpo_ma.run.config import CHOICES
 
     assert CHOICES["algorithm.loss_aggregation"] == tuple(LOSS_AGGREGATIONS)
 

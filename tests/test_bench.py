@@ -6,15 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_grpo_ma.bench import (
-    BenchTree,
-    bench_prompts,
-    bench_rollout,
-    load_bench_policy,
-    reencode_answers,
-    run_branched,
-)
-from vlm_grpo_ma.policy import SamplingSettings, _policy_logprobs, prompt_generators
+from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
+from vlm_grpo_ma.model.logprobs import _policy_logprobs
+from vlm_grpo_ma.tools.bench import bench_rollout, reencode_answers, run_branched
+from vlm_grpo_ma.tools.bench_inputs import BenchTree, bench_prompts, load_bench_policy
 
 K, M = 2, 2
 THOUGHT_TOKENS, ANSWER_TOKENS = 6, 4
@@ -100,7 +95,8 @@ def test_an_unknown_benchmark_model_names_the_choices(tmp_path):
 def test_training_forward_benchmark_paths_agree_and_count_the_tokens(tiny_policy):
     """``bench train``: both forwards give the same log-probs and gradients, and the shared one encodes
     each micro-batch's prompts and thoughts once (counted from the tree, not from either path)."""
-    from vlm_grpo_ma.bench import BenchTree, bench_train
+    from vlm_grpo_ma.tools.bench import bench_train
+    from vlm_grpo_ma.tools.bench_inputs import BenchTree
 
     policy, prompts = tiny_policy
     prompts = bench_prompts(policy, 2)

@@ -20,7 +20,7 @@ import pytest
 
 from tasks import _sandbox, code
 from tasks._sandbox import Isolation, Limits, Step, run_tests
-from vlm_grpo_ma.registry import Completion, Sample, get_task
+from vlm_grpo_ma.task_api.registry import Completion, Sample, get_task
 
 REPO = Path(__file__).resolve().parents[1]
 EXACT = 1e-9
@@ -235,8 +235,8 @@ def test_reward_never_raises_and_counts_sandbox_errors(monkeypatch):
 
 
 def test_all_passed_mode_is_chosen_by_weights():
-    from vlm_grpo_ma.registry import weighted_reward
-    from vlm_grpo_ma.rewards import reward_weights_for
+    from vlm_grpo_ma.run.rewards import reward_weights_for
+    from vlm_grpo_ma.task_api.registry import weighted_reward
 
     parts = code.reward(_completion(_answer("def add(a, b):\n    return a * b")), ADD)
     dense = reward_weights_for(code.TASK, {})
@@ -581,7 +581,7 @@ def _processes_working_in(folder) -> list[int]:
 def test_a_reward_past_its_deadline_leaves_no_sandbox_behind(tmp_path, monkeypatch):
     # The case: a program that sleeps at import under a reward deadline shorter than the sandbox's
     # wall-clock limit. The pool kills the worker at the deadline; its judge must not outlive it.
-    from vlm_grpo_ma.reward_pool import RewardPool, RewardTimeout
+    from vlm_grpo_ma.task_api.reward_pool import RewardPool, RewardTimeout
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the worker's sandbox folders go here
     pool = RewardPool()

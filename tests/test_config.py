@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from vlm_grpo_ma.config import Config, ConfigError, load_config, parse_override
+from vlm_grpo_ma.run.config import Config, ConfigError, load_config, parse_override
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -146,8 +146,8 @@ def test_non_finite_and_out_of_range_values_are_refused(override, message):
 
 @pytest.mark.parametrize("steps", [400, 1, 10**6])
 def test_the_largest_valid_seed_samples_every_step_and_the_next_one_overflows(steps):
-    from vlm_grpo_ma.config import SEED_STRIDE, max_seed
-    from vlm_grpo_ma.policy import prompt_generators
+    from vlm_grpo_ma.engines.decode import SEED_STRIDE, prompt_generators
+    from vlm_grpo_ma.run.config import max_seed
 
     highest = max_seed(steps)
     cfg = load_config(None, [f"train.seed={highest}", f"train.steps={steps}"])
@@ -177,7 +177,7 @@ def test_invalid_yaml_names_the_file_and_line(tmp_path):
 
 
 def test_the_cli_reports_invalid_yaml_without_a_traceback(tmp_path, capsys):
-    from vlm_grpo_ma import cli
+    from vlm_grpo_ma.run import cli
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: {steps: 3\n")

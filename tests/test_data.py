@@ -1,7 +1,7 @@
 import pytest
 
-from vlm_grpo_ma.data import PromptStream
-from vlm_grpo_ma.registry import Sample
+from vlm_grpo_ma.task_api.registry import Sample
+from vlm_grpo_ma.task_api.streams import PromptStream
 
 
 def _samples(n):
@@ -43,7 +43,7 @@ def _task_samples(task, n):
 
 
 def _mixture(seed=0, weights=None):
-    from vlm_grpo_ma.data import TaskMixture
+    from vlm_grpo_ma.task_api.streams import TaskMixture
 
     weights = weights or {"a": 3.0, "b": 1.0}
     streams = {name: PromptStream(_task_samples(name, 5), seed=seed) for name in weights}

@@ -6,8 +6,13 @@ import math
 import pytest
 import torch
 
-from vlm_grpo_ma.advantages import grpo_ma_advantages
-from vlm_grpo_ma.diagnostics import GradSpikeMonitor, spike_score, thought_value_noise, zero_signal_shares
+from vlm_grpo_ma.algorithm.advantages import grpo_ma_advantages
+from vlm_grpo_ma.algorithm.diagnostics import (
+    GradSpikeMonitor,
+    spike_score,
+    thought_value_noise,
+    zero_signal_shares,
+)
 
 
 def test_thought_value_noise_hand_computed():

@@ -10,17 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_grpo_ma.config import ConfigError, load_config
 from vlm_grpo_ma.engines import check_engine
+from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
 from vlm_grpo_ma.engines.vllm import REQUIRE_ENV, merged_state_dict, unexpanded_ids, vllm_installed
-from vlm_grpo_ma.policy import (
-    SamplingSettings,
-    encode_prompt,
-    load_policy,
-    prompt_generators,
-    sequence_logprobs,
-)
-from vlm_grpo_ma.registry import Sample
+from vlm_grpo_ma.model.loading import load_policy
+from vlm_grpo_ma.model.logprobs import sequence_logprobs
+from vlm_grpo_ma.model.prompts import encode_prompt
+from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.task_api.registry import Sample
 
 K, M = 2, 2
 
@@ -68,7 +65,7 @@ def test_unexpanded_ids_collapse_each_image_run():
 
 def test_merged_state_dict_folds_lora_in(untrained_tiny_dir):
     """The pushed LoRA weights are what merging the adapter gives: the merged model's outputs."""
-    from vlm_grpo_ma import lora
+    from vlm_grpo_ma.model import lora
 
     policy = load_policy(str(untrained_tiny_dir))
     plain_keys = set(policy.model.state_dict())
@@ -174,7 +171,7 @@ def test_a_run_samples_with_vllm_and_pushes_every_update(tmp_path):
 
     from conftest import tiny_run_config
 
-    from vlm_grpo_ma import train as train_module
+    from vlm_grpo_ma.run import loop as train_module
 
     _needs_vllm()
     cfg = tiny_run_config("tiny", tmp_path / "run", "rollout.engine=vllm", "rollout.max_thought_tokens=40",

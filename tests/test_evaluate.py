@@ -5,11 +5,11 @@ from itertools import combinations
 
 import pytest
 
-from vlm_grpo_ma import evaluate as ev
-from vlm_grpo_ma import train as train_module
-from vlm_grpo_ma.config import load_config
-from vlm_grpo_ma.coords import CoordinateFrame
-from vlm_grpo_ma.registry import Completion, Sample, Task, get_task
+from vlm_grpo_ma.run import loop as train_module
+from vlm_grpo_ma.run.config import load_config
+from vlm_grpo_ma.task_api.coords import CoordinateFrame
+from vlm_grpo_ma.task_api.registry import Completion, Sample, Task, get_task
+from vlm_grpo_ma.tools import evaluate as ev
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from tasks import grounding
-from vlm_grpo_ma.coords import CoordinateFrame
-from vlm_grpo_ma.registry import Completion, Sample, get_task
+from vlm_grpo_ma.task_api.coords import CoordinateFrame
+from vlm_grpo_ma.task_api.registry import Completion, Sample, get_task
 
 EXACT = 1e-9
 REPO = Path(__file__).resolve().parents[1]

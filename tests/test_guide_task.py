@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vlm_grpo_ma import cli
-from vlm_grpo_ma import evaluate as ev
-from vlm_grpo_ma.registry import Completion, get_task, import_task_modules
+from vlm_grpo_ma.run import cli
+from vlm_grpo_ma.task_api.registry import Completion, get_task, import_task_modules
+from vlm_grpo_ma.tools import evaluate as ev
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "TASKS.md"
 

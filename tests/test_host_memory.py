@@ -7,11 +7,11 @@ import threading
 
 from PIL import Image
 
-from vlm_grpo_ma.data import PromptStream
-from vlm_grpo_ma.images import ImageLoadError, open_lazily
-from vlm_grpo_ma.policy import encode_prompt
-from vlm_grpo_ma.registry import Sample
-from vlm_grpo_ma.train import draw_prompts
+from vlm_grpo_ma.model.prompts import encode_prompt
+from vlm_grpo_ma.run.loop import draw_prompts
+from vlm_grpo_ma.task_api.images import ImageLoadError, open_lazily
+from vlm_grpo_ma.task_api.registry import Sample
+from vlm_grpo_ma.task_api.streams import PromptStream
 
 
 def _jpeg(width=96, height=64) -> bytes:

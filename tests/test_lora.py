@@ -7,9 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_grpo_ma import lora
-from vlm_grpo_ma.policy import encode_prompt, load_policy, resolve_model_path, sequence_logprobs
-from vlm_grpo_ma.registry import Sample
+from vlm_grpo_ma.model import lora
+from vlm_grpo_ma.model.loading import load_policy, resolve_model_path
+from vlm_grpo_ma.model.logprobs import sequence_logprobs
+from vlm_grpo_ma.model.prompts import encode_prompt
+from vlm_grpo_ma.task_api.registry import Sample
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 4

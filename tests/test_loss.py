@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from vlm_grpo_ma.loss import (
+from vlm_grpo_ma.algorithm.loss import (
     MAX_LOG_RATIO,
     clipped_surrogate,
     kl_k3,

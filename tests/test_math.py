@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from tasks import math as math_task
-from vlm_grpo_ma.registry import Completion, Sample, get_task
+from vlm_grpo_ma.task_api.registry import Completion, Sample, get_task
 
 EXACT = 1e-12
 REPO = Path(__file__).resolve().parents[1]
@@ -454,7 +454,7 @@ def test_safe_for_math_verify(text, safe):
 def test_the_module_name_does_not_shadow_the_standard_library():
     import math as stdlib_math
 
-    import vlm_grpo_ma.task_api as common
+    import vlm_grpo_ma.task_api.parsing as common
 
     assert math_task.__name__ == "tasks.math"
     assert sys.modules["math"] is stdlib_math and stdlib_math.sqrt(16.0) == 4.0

@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm_grpo_ma import architectures, memory
-from vlm_grpo_ma.architectures import (
+from vlm_grpo_ma.model import architectures
+from vlm_grpo_ma.model.architectures import (
     ARCHITECTURES,
     Architecture,
     architecture_of,
     lora_counts,
     parameter_counts,
 )
-from vlm_grpo_ma.config import load_config
+from vlm_grpo_ma.run.config import load_config
+from vlm_grpo_ma.tools import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from vlm_grpo_ma.tiny import TINY_MODEL_DIR
+    from vlm_grpo_ma.model.tiny import TINY_MODEL_DIR
 
     return AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
 
@@ -92,9 +93,9 @@ def test_lora_count_by_hand():
 def _tiny_policy_after_one_adamw_step(lora_rank: int, dtype: str):
     from transformers import AutoModelForImageTextToText
 
-    from vlm_grpo_ma import lora
-    from vlm_grpo_ma.sharding import state_bytes
-    from vlm_grpo_ma.tiny import TINY_MODEL_DIR
+    from vlm_grpo_ma.model import lora
+    from vlm_grpo_ma.model.tiny import TINY_MODEL_DIR
+    from vlm_grpo_ma.run.sharding import state_bytes
 
     model = AutoModelForImageTextToText.from_pretrained(TINY_MODEL_DIR, dtype=getattr(torch, dtype))
     if lora_rank:
@@ -239,7 +240,7 @@ def test_check_real_size_runs_on_a_shrunk_copy(tmp_path):
 def _saved_bytes_of_the_shared_forward(policy, prompt, thoughts: int, answers_per_thought: int, thought_tokens: int, answer_tokens: int) -> int:
     """Bytes of the distinct tensors autograd saves (parameters aside) in one tree-shared training forward under
     bf16 autocast, as the trainer's update runs it."""
-    from vlm_grpo_ma.policy import shared_prefix_logprobs
+    from vlm_grpo_ma.model.logprobs import shared_prefix_logprobs
 
     completions, lengths = [], []
     for k in range(thoughts):
@@ -273,8 +274,9 @@ def test_layer_bytes_equal_what_autograd_saves_per_layer(name, tokenizer, tmp_pa
 
     from PIL import Image
 
-    from vlm_grpo_ma.data import Sample
-    from vlm_grpo_ma.policy import encode_prompt, load_policy
+    from vlm_grpo_ma.model.loading import load_policy
+    from vlm_grpo_ma.model.prompts import encode_prompt
+    from vlm_grpo_ma.task_api.streams import Sample
 
     side, thoughts, answers, thought_tokens, answer_tokens, rank = 224, 2, 2, 8, 4, 16
     shrunk = architectures.shrunk(ARCHITECTURES[name])
@@ -293,7 +295,7 @@ def test_layer_bytes_equal_what_autograd_saves_per_layer(name, tokenizer, tmp_pa
         prompt = encode_prompt(policy, sample, "Think.")
         for lora_rank in (0, rank):
             if lora_rank:
-                from vlm_grpo_ma import lora
+                from vlm_grpo_ma.model import lora
 
                 lora.apply_lora(policy.model, rank=rank, alpha=2 * rank, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
             measured[layers, lora_rank] = _saved_bytes_of_the_shared_forward(policy, prompt, thoughts, answers, thought_tokens, answer_tokens)

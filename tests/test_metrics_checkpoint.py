@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from vlm_grpo_ma.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
-from vlm_grpo_ma.metrics import format_summary, read_metrics, summarize
+from vlm_grpo_ma.run.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
+from vlm_grpo_ma.run.metrics import format_summary, read_metrics, summarize
 
 
 def test_summary_compares_first_and_last_fifth():
@@ -48,7 +48,7 @@ def test_resume_restores_only_the_cuda_rng_states_of_visible_gpus(monkeypatch):
 
     import torch
 
-    from vlm_grpo_ma import checkpoint
+    from vlm_grpo_ma.run import checkpoint
 
     assert checkpoint.cuda_states_to_restore(["s0", "s1", "s2", "s3"], 2) == [(0, "s0"), (1, "s1")]
     assert checkpoint.cuda_states_to_restore(["s0"], 8) == [(0, "s0")]  # more GPUs now: the rest keep their seed

@@ -11,19 +11,13 @@ import torch
 from PIL import Image
 from reencode_check import branched_vs_reencoded
 
-from vlm_grpo_ma.coords import CoordinateFrame
-from vlm_grpo_ma.policy import (
-    SamplingSettings,
-    _encode_images,
-    _select_vision_rows,
-    encode_prompt,
-    load_policy,
-    sample_tree,
-    sequence_logprobs,
-    shared_prefix_logprobs,
-)
-from vlm_grpo_ma.registry import Sample
-from vlm_grpo_ma.tiny import CHAT_TEMPLATE, build_tokenizer
+from vlm_grpo_ma.engines.decode import SamplingSettings, sample_tree
+from vlm_grpo_ma.model.loading import load_policy
+from vlm_grpo_ma.model.logprobs import sequence_logprobs, shared_prefix_logprobs
+from vlm_grpo_ma.model.prompts import _encode_images, _select_vision_rows, encode_prompt
+from vlm_grpo_ma.model.tiny import CHAT_TEMPLATE, build_tokenizer
+from vlm_grpo_ma.task_api.coords import CoordinateFrame
+from vlm_grpo_ma.task_api.registry import Sample
 
 FAMILIES = ["qwen2_vl", "qwen3_vl"]
 TEXT_HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 1, 32  # mrope_section must sum to HEAD_DIM / 2
@@ -244,7 +238,7 @@ def test_selected_vision_rows_match_a_per_row_encode(family_policy):
 def test_sequence_logprobs_equal_the_models_own_forward(family_policy, monkeypatch):
     """Shared vision features, our mRoPE positions and right padding give the log-probs of the model's own
     forward (pixel_values in, positions and Qwen3-VL deepstack injection computed by transformers), row by row."""
-    import vlm_grpo_ma.policy as policy_module
+    import vlm_grpo_ma.model.logprobs as logprobs_module
 
     family, policy = family_policy
     prompts = [encode_prompt(policy, s, "Think.") for s in _samples(3)]
@@ -265,14 +259,14 @@ def test_sequence_logprobs_equal_the_models_own_forward(family_policy, monkeypat
                 image_grid_thw=prompts[p].image_grid_thw,
                 mm_token_type_ids=(ids == policy.image_token_id).int(),
             ).logits[0]
-            logprobs = policy_module._policy_logprobs(logits, 1.0, policy.suppressed_token_ids)
+            logprobs = logprobs_module._policy_logprobs(logits, 1.0, policy.suppressed_token_ids)
             start = len(prompts[p].input_ids) - 1
             reference = logprobs[start + torch.arange(len(completion)), torch.tensor(completion)]
             worst = max(worst, float((reference - ours[r, : len(completion)]).abs().max()))
         print(f"{family} sequence_logprobs vs the model's own forward: max |diff| {worst:.3g}")
         assert worst <= 1e-4
         if family == "qwen3_vl":  # the comparison would catch deepstack features that get lost
-            select = policy_module._select_vision_rows
+            select = logprobs_module._select_vision_rows
 
             def without_deepstack(*args):
                 selected = select(*args)
@@ -281,7 +275,7 @@ def test_sequence_logprobs_equal_the_models_own_forward(family_policy, monkeypat
                 ]
                 return selected
 
-            monkeypatch.setattr(policy_module, "_select_vision_rows", without_deepstack)
+            monkeypatch.setattr(logprobs_module, "_select_vision_rows", without_deepstack)
             dropped = sequence_logprobs(policy, prompts, row_prompt, completions, temperature=1.0)
             assert float((dropped - ours).abs().max()) > 1e-2
 

@@ -133,7 +133,7 @@ def test_a_non_finite_reward_on_one_sharded_process_stops_both_with_its_message_
     assert process.returncode != 0, output
     assert "error: step 2: reward is not finite" in output, output  # rank 1, its own error
     assert "error: process 1 stopped the run: NonFiniteError: step 2: reward is not finite" in output, output  # rank 0
-    from vlm_grpo_ma.checkpoint import list_checkpoints
+    from vlm_grpo_ma.run.checkpoint import list_checkpoints
 
     assert [p.name for p in list_checkpoints(run)] == ["step-000001"], output
 
@@ -162,7 +162,7 @@ def test_sigterm_to_one_process_stops_both_saves_the_steps_done_and_resume_conti
     # exit: the launcher's summary then shows -15 for it.
     assert process.returncode != 0 and re.search(r"exitcode\s+:\s*143", output), output
     assert output.count("stopping every process: process 1 received signal SIGTERM") == 2, output
-    from vlm_grpo_ma.checkpoint import latest_checkpoint
+    from vlm_grpo_ma.run.checkpoint import latest_checkpoint
 
     last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert latest_checkpoint(run).name == f"step-{last_logged:06d}", output  # nothing done was lost

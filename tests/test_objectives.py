@@ -12,20 +12,16 @@ import torch
 from conftest import tiny_run_config
 from PIL import Image
 
-from vlm_grpo_ma import train as train_module
-from vlm_grpo_ma.advantages import compute_advantages, informative_prompts, overlong_penalty
-from vlm_grpo_ma.batch import build_train_batch
-from vlm_grpo_ma.loss import POLICY_LOSSES, aggregation_weights, policy_loss, segment_ids
-from vlm_grpo_ma.policy import (
-    CompletionScorer,
-    SamplingSettings,
-    encode_prompt,
-    load_policy,
-    prompt_generators,
-    sequence_logprobs,
-)
-from vlm_grpo_ma.registry import Sample
-from vlm_grpo_ma.rollout import generate_rollout
+from vlm_grpo_ma.algorithm.advantages import compute_advantages, informative_prompts, overlong_penalty
+from vlm_grpo_ma.algorithm.loss import POLICY_LOSSES, aggregation_weights, policy_loss, segment_ids
+from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
+from vlm_grpo_ma.engines.rollout import generate_rollout
+from vlm_grpo_ma.model.loading import load_policy
+from vlm_grpo_ma.model.logprobs import CompletionScorer, sequence_logprobs
+from vlm_grpo_ma.model.prompts import encode_prompt
+from vlm_grpo_ma.run import loop as train_module
+from vlm_grpo_ma.run.batch import build_train_batch
+from vlm_grpo_ma.task_api.registry import Sample
 
 LENGTH_TASK = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")  # rewards the untrained model varies on
 CLIP_LOW, CLIP_HIGH, EPS = 0.2, 0.28, 1e-6
@@ -205,7 +201,7 @@ def test_an_unknown_policy_loss_names_the_known_ones():
 
 
 def test_config_choices_are_the_registered_policy_losses():
-    from vlm_grpo_ma.config import CHOICES, ConfigError, load_config
+    from vlm_grpo_ma.run.config import CHOICES, ConfigError, load_config
 
     assert CHOICES["algorithm.policy_loss"] == tuple(POLICY_LOSSES)
     with pytest.raises(ConfigError, match="algorithm.policy_loss='sapo' is not valid; choose one of: ppo, gspo, cispo"):
@@ -233,7 +229,7 @@ def test_overlong_penalty_ramps_over_the_buffer_before_the_limit():
 
 
 def test_overlong_buffer_longer_than_the_limit_is_refused_at_start():
-    from vlm_grpo_ma.config import ConfigError, load_config
+    from vlm_grpo_ma.run.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="algorithm.overlong_buffer_answer_tokens=30 must be <= rollout.max_answer_tokens=24"):
         load_config(None, ["algorithm.overlong_buffer_answer_tokens=30"])
@@ -245,7 +241,7 @@ def test_informative_prompts_are_those_whose_rewards_differ():
 
 
 def test_the_step_trains_the_first_informative_groups_in_draw_order_then_fills():
-    from vlm_grpo_ma.dynamic_sampling import choose_groups
+    from vlm_grpo_ma.run.dynamic_sampling import choose_groups
 
     # two draws of 4 prompts: 3 informative in the first, 2 in the second; the step needs 4
     assert choose_groups([True, True, False, True, True, False, True, False], 4) == [0, 1, 3, 4]
@@ -255,9 +251,9 @@ def test_the_step_trains_the_first_informative_groups_in_draw_order_then_fills()
 
 
 def test_gathered_groups_keep_each_prompts_tree_and_scores_in_the_order_given():
-    from vlm_grpo_ma.policy import TreeSample
-    from vlm_grpo_ma.rewards import ScoredRollout, gather_scored_groups
-    from vlm_grpo_ma.rollout import Rollout, gather_groups
+    from vlm_grpo_ma.engines.decode import TreeSample
+    from vlm_grpo_ma.engines.rollout import Rollout, gather_groups
+    from vlm_grpo_ma.run.rewards import ScoredRollout, gather_scored_groups
 
     def draw(offset):  # B = 2 prompts, K = 2, M = 2; token ids say (draw, prompt, thought, answer)
         tree = TreeSample(

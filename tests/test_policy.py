@@ -5,16 +5,13 @@ import torch
 from PIL import Image
 from reencode_check import branched_vs_reencoded
 
-from vlm_grpo_ma.coords import CoordinateFrame
-from vlm_grpo_ma.policy import (
-    SamplingSettings,
-    coordinate_frame_for,
-    encode_prompt,
-    sample_tree,
-    sequence_logprobs,
-)
-from vlm_grpo_ma.registry import Sample
-from vlm_grpo_ma.rollout import generate_rollout
+from vlm_grpo_ma.engines.decode import SamplingSettings, sample_tree
+from vlm_grpo_ma.engines.rollout import generate_rollout
+from vlm_grpo_ma.model.loading import coordinate_frame_for
+from vlm_grpo_ma.model.logprobs import sequence_logprobs
+from vlm_grpo_ma.model.prompts import encode_prompt
+from vlm_grpo_ma.task_api.coords import CoordinateFrame
+from vlm_grpo_ma.task_api.registry import Sample
 
 
 def _samples(n):
@@ -165,7 +162,7 @@ def test_prompts_without_images_branch_like_image_prompts(tiny_policy, with_imag
 def test_a_prompts_tree_does_not_depend_on_its_batch(tiny_policy):
     """Per-prompt generators: prompts 2 and 3 sample the same trees alone as in a batch of four (what lets a
     run split over processes sample what a one-process run samples)."""
-    from vlm_grpo_ma.policy import prompt_generators
+    from vlm_grpo_ma.engines.decode import prompt_generators
 
     prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(4)]
     settings = dict(max_thought_tokens=10, max_answer_tokens=6)
@@ -204,7 +201,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_a_full_reencode(tiny_policy)
     """The training forward through the KV cache (each prompt and thought encoded once) gives the log-probs
     and the parameter gradients of re-encoding every row, for uneven prompts, thoughts and answers, rows in
     any order, a prompt whose rows are split, an empty thought and a one-token answer."""
-    from vlm_grpo_ma.policy import shared_prefix_logprobs
+    from vlm_grpo_ma.model.logprobs import shared_prefix_logprobs
 
     prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(3)]
     tree = sample_tree(tiny_policy, prompts, num_thoughts=3, num_answers=2, settings=_settings(seed=4, answer_stop="e"))
@@ -239,7 +236,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_a_full_reencode(tiny_policy)
 def test_shared_prefix_logprobs_encode_each_prompt_and_thought_once(tiny_policy):
     """2 prompts x 2 thoughts x 3 answers: the decoder sees the 2 prompts, then 4 thoughts, then 12 answers
     (not 12 prompt + thought + answer rows), and the vision tower runs once on the 2 images."""
-    from vlm_grpo_ma.policy import shared_prefix_logprobs
+    from vlm_grpo_ma.model.logprobs import shared_prefix_logprobs
 
     prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
     tree = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=3, settings=_settings(seed=2, answer_stop="e"))
@@ -268,17 +265,17 @@ def test_preallocated_sampling_cache_samples_what_the_growing_cache_samples(tiny
     Same seed, same tokens and log-probs; and the cache's keys are views of one buffer (no copy per token).
     Planted and seen to fail: the new tokens written one slot late (log-probs differ) and the buffer doubled
     on every update (the data pointer changes)."""
-    from vlm_grpo_ma import policy as policy_module
-    from vlm_grpo_ma.policy import _sampling_cache
+    from vlm_grpo_ma.engines import decode as decode_module
+    from vlm_grpo_ma.model.cache import _sampling_cache
 
     prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
     settings = dict(temperature=1.0, max_thought_tokens=10, max_answer_tokens=6, thought_stop="e")
     preallocated = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2,
-                               settings=SamplingSettings(**settings, generators=policy_module.prompt_generators(3, 0, 2)))
+                               settings=SamplingSettings(**settings, generators=decode_module.prompt_generators(3, 0, 2)))
     growing_cache = _sampling_cache  # the same cache without a capacity: transformers' DynamicLayer
-    monkeypatch.setattr(policy_module, "_sampling_cache", lambda policy, capacity: growing_cache(policy, None))
+    monkeypatch.setattr(decode_module, "_sampling_cache", lambda policy, capacity: growing_cache(policy, None))
     growing = sample_tree(tiny_policy, prompts, num_thoughts=2, num_answers=2,
-                          settings=SamplingSettings(**settings, generators=policy_module.prompt_generators(3, 0, 2)))
+                          settings=SamplingSettings(**settings, generators=decode_module.prompt_generators(3, 0, 2)))
     assert preallocated.thought_ids == growing.thought_ids and preallocated.answer_ids == growing.answer_ids
     for a, b in ((preallocated.thought_logprobs, growing.thought_logprobs), (preallocated.answer_logprobs, growing.answer_logprobs)):
         assert max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True)) <= 1e-6
@@ -300,7 +297,9 @@ def test_decoding_reads_the_kv_cache(tiny_policy):
     """One decode step after the prefill gives the log-probs of a full re-encode of prompt + token. A KV cache
     passed under a name the installed transformers does not take (5.19 takes past_key_values, 5.20 on cache)
     is swallowed by the model's **kwargs: the step then sees its one token without the prompt."""
-    from vlm_grpo_ma.policy import _encode_images, _left_pad, _policy_logprobs, _step, _vision_inputs, prefill
+    from vlm_grpo_ma.engines.decode import _step, prefill
+    from vlm_grpo_ma.model.logprobs import _policy_logprobs
+    from vlm_grpo_ma.model.prompts import _encode_images, _left_pad, _vision_inputs
 
     prompt = encode_prompt(tiny_policy, _samples(1)[0], "Think.")
     ids, mask = _left_pad([prompt.input_ids], tiny_policy.pad_token_id)
@@ -320,7 +319,7 @@ def test_the_log_prob_head_does_not_copy_its_weight_per_row(tiny_policy):
     ~1 GB. Planted and seen to fail: the head fed the sliced hidden states as they come (no .contiguous())."""
     from torch.profiler import ProfilerActivity, profile
 
-    from vlm_grpo_ma.policy import shared_prefix_logprobs
+    from vlm_grpo_ma.model.logprobs import shared_prefix_logprobs
 
     prompts = [encode_prompt(tiny_policy, s, "Think.") for s in _samples(2)]
     tree = sample_tree(tiny_policy, prompts, num_thoughts=4, num_answers=2, settings=_settings(seed=3, answer_stop="e"))

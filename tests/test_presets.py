@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from vlm_grpo_ma.config import load_config
+from vlm_grpo_ma.run.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_DIR = ROOT / "configs" / "accelerate"
@@ -93,7 +93,7 @@ def test_no_launch_preset_is_refused_by_the_trainer(name, monkeypatch):
     (sharding.launch_settings): every preset runs, the FSDP ones with the Qwen2.5-VL layers as units."""
     from accelerate.utils import prepare_multi_gpu_env
 
-    from vlm_grpo_ma import sharding
+    from vlm_grpo_ma.run import sharding
 
     args = _launch_args(name)
     for key in [k for k in os.environ if k.startswith(("FSDP_", "ACCELERATE_"))]:
@@ -215,7 +215,7 @@ def gpu_check():
 def tiny_tokenizer():
     from transformers import AutoTokenizer
 
-    from vlm_grpo_ma.tiny import TINY_MODEL_DIR
+    from vlm_grpo_ma.model.tiny import TINY_MODEL_DIR
 
     return AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
 

@@ -11,10 +11,10 @@ import pytest
 import reward_test_tasks  # noqa: F401 - registers the test tasks
 import torch
 
-from vlm_grpo_ma.registry import Completion, Sample, Task, get_task, register_task
-from vlm_grpo_ma.reward_pool import RewardError, RewardPool, RewardTimeout
-from vlm_grpo_ma.rewards import score_rollout, task_reward
-from vlm_grpo_ma.rollout import Rollout
+from vlm_grpo_ma.engines.rollout import Rollout
+from vlm_grpo_ma.run.rewards import score_rollout, task_reward
+from vlm_grpo_ma.task_api.registry import Completion, Sample, Task, get_task, register_task
+from vlm_grpo_ma.task_api.reward_pool import RewardError, RewardPool, RewardTimeout
 
 SLACK_S = 3.0  # killing and replacing a worker, pickling, a loaded 2-core machine
 

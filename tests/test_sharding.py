@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm_grpo_ma import sharding
-from vlm_grpo_ma.config import ConfigError
+from vlm_grpo_ma.run import sharding
+from vlm_grpo_ma.run.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -67,7 +67,7 @@ def test_the_accelerator_is_created_without_accelerates_fsdp(fsdp_env):
 
 
 def test_a_wrap_class_the_model_lacks_is_named_with_the_valid_ones(tiny_policy):
-    from vlm_grpo_ma.policy import CompletionScorer
+    from vlm_grpo_ma.model.logprobs import CompletionScorer
 
     scorer = CompletionScorer(tiny_policy, share_prefixes=True)
     with pytest.raises(ConfigError, match=r"Qwen3VLTextDecoderLayer is not a module class.*Qwen2_5_VLDecoderLayer"):
@@ -113,7 +113,7 @@ def test_sharded_model_samples_scores_and_backpropagates_like_the_unsharded_one(
 
 
 def _tiny_parameters(model_dir):
-    from vlm_grpo_ma.policy import load_policy
+    from vlm_grpo_ma.model.loading import load_policy
 
     return list(load_policy(str(model_dir), attn_implementation="sdpa").model.parameters())
 
@@ -129,7 +129,7 @@ def test_lora_under_fsdp_trains_what_one_process_trains(untrained_tiny_dir, tmp_
 
     from safetensors.torch import load_file
 
-    from vlm_grpo_ma.policy import load_policy
+    from vlm_grpo_ma.model.loading import load_policy
 
     overrides = [
         f"model.name_or_path={untrained_tiny_dir}", "model.lora_rank=4", "train.learning_rate=0.01",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm_grpo_ma import study
+from vlm_grpo_ma.tools import study
 
 
 def _write_run(run_dir, rewards, step_seconds, tokens, noise=None, within=None, spikes=None, evals=(), start=0.3, right=None):
@@ -116,7 +116,7 @@ def test_overlapping_seeds_are_called_noise(tmp_path):
 
 
 def test_the_variance_section_and_setting(tmp_path):
-    from vlm_grpo_ma import variance
+    from vlm_grpo_ma.tools import variance
 
     grid = _grid(["T16A1", "T4A4"])
     for setting in grid.settings:

@@ -22,16 +22,17 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from tasks import grounding
-from vlm_grpo_ma import run_setup as run_setup_module
-from vlm_grpo_ma import train as train_module
-from vlm_grpo_ma import update as update_module
-from vlm_grpo_ma.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
-from vlm_grpo_ma.data import PromptStream, TaskMixture
-from vlm_grpo_ma.diagnostics import GradSpikeMonitor
-from vlm_grpo_ma.policy import ImageLoadError, encode_prompt, open_image
-from vlm_grpo_ma.registry import count_load_skips
-from vlm_grpo_ma.survive import NonFiniteError
+from vlm_grpo_ma.algorithm.diagnostics import GradSpikeMonitor
+from vlm_grpo_ma.model.prompts import encode_prompt, open_image
+from vlm_grpo_ma.run import loop as train_module
+from vlm_grpo_ma.run import setup as run_setup_module
+from vlm_grpo_ma.run import update as update_module
+from vlm_grpo_ma.run.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
+from vlm_grpo_ma.run.survive import NonFiniteError
 from vlm_grpo_ma.task_api import read_rows
+from vlm_grpo_ma.task_api.images import ImageLoadError
+from vlm_grpo_ma.task_api.registry import count_load_skips
+from vlm_grpo_ma.task_api.streams import PromptStream, TaskMixture
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTH_TASK = str(ROOT / "tests" / "fixtures" / "answer_length_task.py")
@@ -379,9 +380,9 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before_naming_the_file
 
 @pytest.mark.parametrize("cut", ["state.pt", "model/model.safetensors"])
 def test_resume_refuses_a_run_whose_every_checkpoint_is_corrupt_naming_each_file(tmp_path, cut):
-    from vlm_grpo_ma.config import ConfigError
-    from vlm_grpo_ma.run_dir import checkpoint_to_resume
-    from vlm_grpo_ma.tiny import build_untrained
+    from vlm_grpo_ma.model.tiny import build_untrained
+    from vlm_grpo_ma.run.config import ConfigError
+    from vlm_grpo_ma.run.run_dir import checkpoint_to_resume
 
     for step in (1, 2):
         folder = checkpoint_dir(tmp_path, step)
@@ -400,8 +401,8 @@ def test_resume_refuses_a_run_whose_every_checkpoint_is_corrupt_naming_each_file
 def test_a_resumed_run_replaces_its_relogged_steps_in_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from vlm_grpo_ma.metrics import RunLogger
-    from vlm_grpo_ma.trackers import open_trackers
+    from vlm_grpo_ma.run.metrics import RunLogger
+    from vlm_grpo_ma.run.trackers import open_trackers
 
     first = RunLogger(tmp_path, trackers=open_trackers(["tensorboard"], tmp_path), progress_bar=False, total_steps=3, start_step=0)
     for step in (1, 2, 3):
@@ -449,7 +450,7 @@ class _TwoProcesses:
 
 
 def test_a_pending_signal_waits_where_the_step_is_not_complete_and_stops_at_the_next_agreement():
-    from vlm_grpo_ma import survive
+    from vlm_grpo_ma.run import survive
 
     restore = survive.raise_on_sigterm(2)
     try:
@@ -465,7 +466,7 @@ def test_a_pending_signal_waits_where_the_step_is_not_complete_and_stops_at_the_
 
 
 def test_the_same_signal_twice_within_the_grace_is_one_request_and_later_raises_at_once(monkeypatch):
-    from vlm_grpo_ma import survive
+    from vlm_grpo_ma.run import survive
 
     restore = survive.raise_on_sigterm(2)
     try:
@@ -491,7 +492,7 @@ def test_a_launched_run_leaves_its_process_group_before_exit_unless_a_collective
     with the run's code. The CLI destroys it when the run returned or stopped at a point every process reached,
     and not after an error on one process alone; the error goes on out. Planted and seen to fail: the destroy call
     removed; destroying after every error; the error swallowed."""
-    from vlm_grpo_ma.distributed import process_group_left_at_the_end
+    from vlm_grpo_ma.run.distributed import process_group_left_at_the_end
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from vlm_grpo_ma import registry, task_api
-from vlm_grpo_ma.registry import Completion, get_task, import_task_modules, list_tasks
+from vlm_grpo_ma import task_api
+from vlm_grpo_ma.task_api import registry
+from vlm_grpo_ma.task_api.registry import Completion, get_task, import_task_modules, list_tasks
 
 REPO = Path(__file__).resolve().parents[1]
 BUILTIN = ("affordance", "code", "grounding", "math", "vqa")

@@ -2,9 +2,9 @@
 
 import json
 
-from vlm_grpo_ma.coords import CoordinateFrame
-from vlm_grpo_ma.policy import count_parameters, load_policy
-from vlm_grpo_ma.tiny import TINY_MODEL_DIR, build_tokenizer
+from vlm_grpo_ma.model.loading import count_parameters, load_policy
+from vlm_grpo_ma.model.tiny import TINY_MODEL_DIR, build_tokenizer
+from vlm_grpo_ma.task_api.coords import CoordinateFrame
 
 
 def test_embedded_model_loads_as_real_qwen2_5_vl():
@@ -35,9 +35,9 @@ def test_the_embedded_model_localises_the_referred_object():
     the image centre (what a model that ignores the image can best do), and other images move its boxes."""
     import dataclasses
 
-    from vlm_grpo_ma.evaluate import EvalSettings, evaluate_task
-    from vlm_grpo_ma.registry import get_task
+    from vlm_grpo_ma.run.evaluation import EvalSettings, evaluate_task
     from vlm_grpo_ma.task_api import iou
+    from vlm_grpo_ma.task_api.registry import get_task
 
     policy = load_policy("tiny")
     task = get_task("grounding")

@@ -24,8 +24,8 @@ import pytest
 from conftest import tiny_run_config
 from PIL import Image, ImageChops
 
-from vlm_grpo_ma.config import ConfigError, load_config
-from vlm_grpo_ma.trackers import TRACKERS, Tracker, open_trackers, register_tracker
+from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.trackers import TRACKERS, Tracker, open_trackers, register_tracker
 
 EXTRA = "needs the trackers extra (pip install -e '.[trackers]'; .ci/run installs it)"
 ALL = "[tensorboard,wandb,mlflow,swanlab,trackio]"
@@ -291,7 +291,7 @@ class _RaisesAfterStart(Tracker):
 
 
 def test_a_tracker_that_raises_does_not_stop_the_run(untrained_tiny_dir, tmp_path, caplog):
-    from vlm_grpo_ma.train import train
+    from vlm_grpo_ma.run.loop import train
 
     run = tmp_path / "run"
     cfg = tiny_run_config(untrained_tiny_dir, run, "logging.report_to=[tensorboard,test-raises-everywhere,test-raises-after-start]",

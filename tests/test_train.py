@@ -9,10 +9,11 @@ import torch
 from conftest import tiny_run_config
 from safetensors.torch import load_file
 
-from vlm_grpo_ma import cli, distributed, run_setup
-from vlm_grpo_ma import train as train_module
-from vlm_grpo_ma.checkpoint import latest_checkpoint, list_checkpoints
-from vlm_grpo_ma.config import ConfigError, load_config
+from vlm_grpo_ma.run import cli, distributed
+from vlm_grpo_ma.run import loop as train_module
+from vlm_grpo_ma.run import setup as run_setup
+from vlm_grpo_ma.run.checkpoint import latest_checkpoint, list_checkpoints
+from vlm_grpo_ma.run.config import ConfigError, load_config
 
 LENGTH_TASK = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")
 
@@ -196,9 +197,9 @@ def test_full_fine_tuning_with_a_frozen_vision_tower(untrained_tiny_dir, tmp_pat
 
 
 def test_lora_trains_adapters_only_resumes_exactly_and_uses_the_adapter_free_model_as_reference(untrained_tiny_dir, tmp_path, monkeypatch):
-    from vlm_grpo_ma import evaluate as ev
-    from vlm_grpo_ma.lora import merge_adapter
-    from vlm_grpo_ma.policy import load_policy
+    from vlm_grpo_ma.model.loading import load_policy
+    from vlm_grpo_ma.model.lora import merge_adapter
+    from vlm_grpo_ma.tools import evaluate as ev
 
     lora_args = ("data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]", "model.lora_rank=4",
                  "algorithm.kl_coef=0.05", "train.learning_rate=1e-2", "train.checkpoint_every=100")
@@ -411,11 +412,11 @@ def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the
     3 micro-batches x (1 old + 2 trained + 1 reference: the reference is scored once per step). The advantages come from the configured estimator.
     Planted and seen to fail: the reference scored by calling the scorer directly, and train() calling
     compute_advantages with "grpo_ma" whatever the config says."""
-    from vlm_grpo_ma import policy as policy_module
-    from vlm_grpo_ma import update
+    from vlm_grpo_ma.model import logprobs as logprobs_module
+    from vlm_grpo_ma.run import update
 
     calls = {"score_rows": 0, "forward": 0, "estimators": []}
-    real_score_rows, real_forward, real_advantages = update.score_rows, policy_module.CompletionScorer.forward, train_module.compute_advantages
+    real_score_rows, real_forward, real_advantages = update.score_rows, logprobs_module.CompletionScorer.forward, train_module.compute_advantages
 
     def counted_score_rows(*args, **kwargs):
         calls["score_rows"] += 1
@@ -431,7 +432,7 @@ def test_every_log_prob_goes_through_score_rows_and_the_estimator_comes_from_the
 
     for module in (update, run_setup):  # update_policy's name for it, and make_reference's
         monkeypatch.setattr(module, "score_rows", counted_score_rows)
-    monkeypatch.setattr(policy_module.CompletionScorer, "forward", counted_forward)
+    monkeypatch.setattr(logprobs_module.CompletionScorer, "forward", counted_forward)
     monkeypatch.setattr(train_module, "compute_advantages", recorded_advantages)
     train_module.train(_cfg(untrained_tiny_dir, tmp_path / "run", "train.steps=1", "model.lora_rank=2", "algorithm.kl_coef=0.05",
                             "algorithm.num_iterations=2", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"))
@@ -445,7 +446,7 @@ def test_the_kl_reference_is_scored_once_per_step_and_is_what_every_iteration_wo
     gives exactly the log-probs the update used (so recomputing it per iteration, as before, gave the same loss
     and gradients), while the trained policy did move. Planted and seen to fail: the reference called inside
     the iteration loop (9 calls, not 3), and the LoRA reference scored with the adapters on (it moves)."""
-    from vlm_grpo_ma import update
+    from vlm_grpo_ma.run import update
 
     seen = {"calls": []}
     real_make_reference = run_setup.make_reference

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from vlm_grpo_ma import variance
-from vlm_grpo_ma.advantages import grpo_ma_advantages
+from vlm_grpo_ma.algorithm.advantages import grpo_ma_advantages
+from vlm_grpo_ma.tools import variance
 
 NUMERICS = dict(scale_by_std=True, eps=1e-6, unbiased=False)
 

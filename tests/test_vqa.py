@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from tasks import vqa
-from vlm_grpo_ma.registry import Completion, Sample, get_task
+from vlm_grpo_ma.task_api.registry import Completion, Sample, get_task
 
 EXACT = 1e-12
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vqa"
@@ -549,7 +549,7 @@ def test_easy_vqa_ground_truth_scores_through_the_reward(easy_vqa_splits):
 
 def test_fixture_samples_encode_with_the_tiny_policy(tiny_policy):
     # every loader's samples reach the model: bytes-backed PIL images, path images, two images, none
-    from vlm_grpo_ma.policy import encode_prompt
+    from vlm_grpo_ma.model.prompts import encode_prompt
 
     expected_sizes = {
         "p1": ((3, 2),), "p2": ((3, 2), (2, 3)), "p3": (), "scienceqa_0": ((3, 2),), "scienceqa_1": (),

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from vlm_grpo_ma.lora import freeze_vision, trainable_parameters
-from vlm_grpo_ma.warmstart import (
+from vlm_grpo_ma.model.lora import freeze_vision, trainable_parameters
+from vlm_grpo_ma.tools.warmstart import (
     SceneStream,
     TokenHeads,
     load_scene_generator,
@@ -69,7 +69,7 @@ def test_one_step_of_each_phase_moves_only_what_it_trains(tiny_policy, phase):
         parameters = [*policy.model.model.visual.parameters(), *heads.parameters()]
         loss = vision_step(policy, heads, scenes)
     else:
-        from vlm_grpo_ma.registry import get_task
+        from vlm_grpo_ma.task_api.registry import get_task
 
         freeze_vision(policy.model)
         parameters = trainable_parameters(policy.model)
@@ -121,7 +121,7 @@ def test_target_text_with_a_margin_writes_the_loose_box(tiny_policy):
 
 @pytest.mark.parametrize("margin", ["-1", "nan"])
 def test_a_negative_or_nan_margin_is_refused_before_any_work(margin, capsys, tmp_path):
-    from vlm_grpo_ma.warmstart import main
+    from vlm_grpo_ma.tools.warmstart import main
 
     with pytest.raises(SystemExit):  # --out: were the check missing, the warm start would write there
         main(["--box-margin", margin, "--out", str(tmp_path / "model")])
@@ -141,8 +141,8 @@ def test_token_targets_count_the_object_centres_in_each_token():
 
 
 def test_counting_stream_is_reproducible_and_its_reference_completion_scores_full_marks(tiny_policy):
-    from vlm_grpo_ma.registry import Completion, get_task
-    from vlm_grpo_ma.warmstart import CountingStream
+    from vlm_grpo_ma.task_api.registry import Completion, get_task
+    from vlm_grpo_ma.tools.warmstart import CountingStream
 
     first, again, other = CountingStream(5).take(4), CountingStream(5).take(4), CountingStream(6).take(4)
     assert [s.sample.question for s in first] == [s.sample.question for s in again]
@@ -163,7 +163,7 @@ def test_counting_stream_is_reproducible_and_its_reference_completion_scores_ful
 
 
 def test_a_counting_vision_step_trains_the_centres_head(tiny_policy):
-    from vlm_grpo_ma.warmstart import CountingStream
+    from vlm_grpo_ma.tools.warmstart import CountingStream
 
     heads = TokenHeads(tiny_policy.model.config.vision_config.out_hidden_size, count_centres=True)
     loss = vision_step(tiny_policy, heads, CountingStream(3).take(2))
@@ -173,7 +173,7 @@ def test_a_counting_vision_step_trains_the_centres_head(tiny_policy):
 
 
 def test_a_box_margin_is_refused_for_counting(capsys, tmp_path):
-    from vlm_grpo_ma.warmstart import main
+    from vlm_grpo_ma.tools.warmstart import main
 
     with pytest.raises(SystemExit):
         main(["--task", "counting", "--box-margin", "5", "--out", str(tmp_path / "model")])
@@ -181,7 +181,7 @@ def test_a_box_margin_is_refused_for_counting(capsys, tmp_path):
 
 
 def test_slips_change_only_the_last_sum_of_sum_and_add_labels():
-    from vlm_grpo_ma.warmstart import CountingStream
+    from vlm_grpo_ma.tools.warmstart import CountingStream
 
     true, slipped_labels = CountingStream(32).take(60), CountingStream(32, slip_rate=1.0).take(60)
     assert [s.sample.question for s in true] == [s.sample.question for s in slipped_labels]  # the same problems
@@ -205,7 +205,7 @@ def test_slips_change_only_the_last_sum_of_sum_and_add_labels():
     (["--task", "grounding", "--slip-rate", "0.5"], "--slip-rate puts slips in counting labels; --task grounding has none"),
 ])
 def test_a_bad_slip_rate_is_refused_before_any_work(args, message, capsys, tmp_path):
-    from vlm_grpo_ma.warmstart import main
+    from vlm_grpo_ma.tools.warmstart import main
 
     with pytest.raises(SystemExit):  # --out: were the check missing, the warm start would write there
         main([*args, "--out", str(tmp_path / "model")])

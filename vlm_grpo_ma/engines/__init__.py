@@ -11,7 +11,7 @@ Rollout; ``push_weights(policy)`` after each update; ``step_metrics()`` -> figur
 
 from __future__ import annotations
 
-from vlm_grpo_ma.config import Config, ConfigError
+from vlm_grpo_ma.run.config import Config, ConfigError
 
 ENGINES = ("hf", "vllm")
 

@@ -3,7 +3,7 @@ weights are always the trained ones and there is nothing to push."""
 
 from __future__ import annotations
 
-from vlm_grpo_ma.rollout import generate_rollout
+from vlm_grpo_ma.engines.rollout import generate_rollout
 
 
 class HFEngine:

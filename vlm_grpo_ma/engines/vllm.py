@@ -25,9 +25,11 @@ from collections.abc import Sequence
 
 import torch
 
-from vlm_grpo_ma.config import Config, ConfigError
-from vlm_grpo_ma.policy import EncodedPrompt, Policy, SamplingSettings, TreeSample, open_image
-from vlm_grpo_ma.rollout import Rollout, rollout_from_tree
+from vlm_grpo_ma.engines.decode import SamplingSettings, TreeSample
+from vlm_grpo_ma.engines.rollout import Rollout, rollout_from_tree
+from vlm_grpo_ma.model.loading import Policy
+from vlm_grpo_ma.model.prompts import EncodedPrompt, open_image
+from vlm_grpo_ma.run.config import Config, ConfigError
 
 INSTALL_COMMAND = "scripts/setup.sh --vllm"
 BLOCK_SIZE = 32  # tokens per KV block: the CPU backend's smallest; only full blocks are shared between requests

@@ -1,0 +1,290 @@
+"""The HF engine's tree sampler, the KV-branching decode loop (``sample_tree``).
+
+The B prompts are prefilled once (each image goes through the vision tower once), the KV cache is repeated K
+times and K thoughts are decoded until ``</think>``; then the cache is repeated M times and M answers are
+decoded from each thought. Prompt, image and thought are never re-encoded for the answers, and token ids
+(never re-tokenised text) pass between the stages.
+
+Position ids are computed here, not by the model. Rows finish at different steps; a finished row keeps
+receiving pad tokens whose cache slots are masked out and which get no position, so the next real token of
+that row sits at position (last real position + 1), exactly as in a re-encode of the row without padding.
+(The model's own decode path derives positions from the cache length, which counts those pad slots: a
+shorter thought would then see its answer shifted in RoPE position and get different log-probs.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from vlm_grpo_ma.model.cache import _cache_argument, _sampling_cache
+from vlm_grpo_ma.model.loading import Policy
+from vlm_grpo_ma.model.logprobs import _policy_logprobs
+from vlm_grpo_ma.model.prompts import (
+    EncodedPrompt,
+    _encode_images,
+    _left_pad,
+    _rope_positions,
+    _vision_inputs,
+)
+
+# Each prompt samples from a torch generator seeded with (train.seed * SEED_STRIDE + step) * SEED_STRIDE +
+# prompt (run.loop.sampling_settings, prompt_generators); run.config.max_seed keeps that within 64 bits.
+SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class TreeSample:
+    """Token ids of a K x M sampling tree. Rows: thoughts are prompt-major (b * K + k), answers
+    thought-major (t * M + m). ``*_logprobs`` are the sampling log-probs (at the sampling temperature)."""
+
+    thought_ids: list[list[int]]
+    thought_logprobs: list[list[float]]
+    thought_forced: list[list[bool]]  # tokens the policy did not sample (the closing tag of a truncated thought)
+    thought_truncated: list[bool]  # hit max_thought_tokens: "</think>" was forced
+    thought_ended_turn: list[bool]  # the model ended its turn (EOS) inside the thought: no answer is possible
+    answer_ids: list[list[int]]
+    answer_logprobs: list[list[float]]
+    answer_truncated: list[bool]
+    vision_images_encoded: int = 0
+
+
+@dataclass
+class _DecodeState:
+    cache: object
+    attention_mask: torch.Tensor  # [N, L]
+    next_position: torch.Tensor  # [N]
+    logits: torch.Tensor  # [N, V] next-token logits of each row
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_thought_tokens: int = 64
+    max_answer_tokens: int = 32
+    thought_stop: str = "</think>"
+    answer_stop: str = "</answer>"
+    # One generator per prompt: prompt p's rows (its K thoughts, then its K*M answers) draw from generators[p]
+    # alone, so a prompt's tree does not depend on which prompts share its batch: a run split over several
+    # processes samples what a one-process run samples. None: torch's global generator.
+    generators: Sequence[torch.Generator] | None = field(default=None, repr=False)
+
+
+def prompt_generators(seed: int, first_prompt: int, count: int) -> list[torch.Generator]:
+    """Generators of prompts ``first_prompt .. first_prompt + count - 1`` of a draw seeded by ``seed``."""
+    return [torch.Generator().manual_seed(seed * SEED_STRIDE + first_prompt + p) for p in range(count)]
+
+
+def _sample_tokens(
+    logits: torch.Tensor, settings: SamplingSettings, suppressed: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens [N], their log-probs [N] under the policy's distribution).
+    ``temperature == 0`` is greedy decoding (evaluation): the most likely token, its log-prob at temperature 1."""
+    if settings.temperature == 0:
+        logprobs = _policy_logprobs(logits, 1.0, suppressed)
+        tokens = logprobs.argmax(-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = _policy_logprobs(logits, settings.temperature, suppressed)  # [N, V]
+    probs = logprobs.exp()
+    if settings.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < settings.top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    if settings.generators is None:
+        tokens = torch.multinomial(probs, 1).squeeze(-1)
+    else:
+        rows_per_prompt, leftover = divmod(probs.shape[0], len(settings.generators))
+        if leftover or not rows_per_prompt:
+            raise ValueError(f"{probs.shape[0]} rows cannot be split over {len(settings.generators)} prompt generators")
+        # Sampled where the generator lives: on the model's device after sample_tree's _generators_on (the
+        # [rows x vocab] probabilities never leave it); a CPU generator still gets them copied to the host.
+        tokens = torch.cat(
+            [
+                torch.multinomial(rows.to(generator.device), 1, generator=generator).squeeze(-1).to(logits.device)
+                for rows, generator in zip(probs.split(rows_per_prompt), settings.generators, strict=True)
+            ]
+        )
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _step(policy: Policy, state: _DecodeState, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Feed one token per row; ``real`` [N] bool marks rows whose token is a real one (else a masked pad)."""
+    device = policy.device
+    state.attention_mask = torch.cat([state.attention_mask, real.long()[:, None].to(device)], dim=1)
+    positions = state.next_position[None, :, None].expand(3, -1, 1)
+    out = policy.model(
+        input_ids=tokens[:, None].to(device),
+        attention_mask=state.attention_mask,
+        position_ids=positions,
+        **_cache_argument(policy.model, state.cache),
+        use_cache=True,
+    )
+    state.next_position = state.next_position + real.long().to(device)
+    return out.logits[:, -1, :]
+
+
+def _decode(
+    policy: Policy,
+    state: _DecodeState,
+    *,
+    max_tokens: int,
+    stop_text: str,
+    forced_suffix: list[int] | None,
+    settings: SamplingSettings,
+):
+    """Decode every row until ``stop_text`` appears in its text, an EOS, or ``max_tokens``.
+
+    With ``forced_suffix`` (token ids), a row that has not stopped when only ``len(forced_suffix)`` tokens
+    remain gets those tokens forced (not sampled), so that every row ends with the stop text.
+    Leaves ``state.logits`` as the next-token logits after each row's last real token.
+    """
+    n = state.logits.shape[0]
+    eos = set(policy.eos_token_ids)
+    tokens_out: list[list[int]] = [[] for _ in range(n)]
+    logprobs_out: list[list[float]] = [[] for _ in range(n)]
+    forced_out: list[list[bool]] = [[] for _ in range(n)]
+    truncated = [False] * n
+    done = [False] * n
+    pad = torch.full((n,), policy.pad_token_id, dtype=torch.long)
+    final_logits = state.logits.clone()
+    suffix_len = len(forced_suffix) if forced_suffix else 0
+    stop_candidates = policy.stop_candidates(stop_text)
+    for step in range(max_tokens):
+        sampled, sampled_logprobs = _sample_tokens(state.logits, settings, policy.suppressed_token_ids)
+        sampled, sampled_logprobs = sampled.cpu(), sampled_logprobs.float().cpu()
+        real = torch.tensor([not d for d in done])
+        tokens = torch.where(real, sampled, pad)
+        # read once as Python lists: indexing a tensor element by element costs microseconds a call
+        sampled_tokens, sampled_values = sampled.tolist(), sampled_logprobs.tolist()
+        for row in range(n):
+            if done[row]:
+                continue
+            forcing = forced_suffix is not None and (
+                forced_out[row] and forced_out[row][-1] or step >= max_tokens - suffix_len
+            )
+            if forcing:
+                token = forced_suffix[sum(forced_out[row])]
+                tokens[row] = token
+            else:
+                token = sampled_tokens[row]
+            tokens_out[row].append(token)
+            logprobs_out[row].append(0.0 if forcing else sampled_values[row])
+            forced_out[row].append(bool(forcing))
+            if forcing:
+                if sum(forced_out[row]) == suffix_len:
+                    done[row] = truncated[row] = True
+            elif token in eos or (token in stop_candidates and stop_text in policy.tokenizer.decode(tokens_out[row][-8:])):
+                done[row] = True
+        logits = _step(policy, state, tokens, real)
+        finished_now = torch.tensor([d for d in done]) & real
+        final_logits[finished_now.to(final_logits.device)] = logits[finished_now.to(logits.device)]
+        state.logits = torch.where(real[:, None].to(logits.device), logits, state.logits)
+        if all(done):
+            break
+    for row in range(n):
+        if not done[row]:
+            truncated[row] = True
+    state.logits = torch.where(torch.tensor(done)[:, None].to(final_logits.device), final_logits, state.logits)
+    return tokens_out, logprobs_out, forced_out, truncated
+
+
+def decode_answers(policy: Policy, state: _DecodeState, settings: SamplingSettings):
+    """Decode one answer per row of ``state`` (stop at ``settings.answer_stop``, EOS or the token limit)."""
+    return _decode(
+        policy,
+        state,
+        max_tokens=settings.max_answer_tokens,
+        stop_text=settings.answer_stop,
+        forced_suffix=None,
+        settings=settings,
+    )
+
+
+def _repeat_rows(state: _DecodeState, repeats: int) -> None:
+    state.cache.batch_repeat_interleave(repeats)  # in place
+    state.attention_mask = state.attention_mask.repeat_interleave(repeats, dim=0)
+    state.next_position = state.next_position.repeat_interleave(repeats, dim=0)
+    state.logits = state.logits.repeat_interleave(repeats, dim=0)
+
+
+def prefill(
+    policy: Policy, ids: torch.Tensor, mask: torch.Tensor, grid: torch.Tensor, *, capacity: int | None = None, **vision_inputs
+) -> _DecodeState:
+    """Run left-padded prompts [N, L] through the model once, into a fresh KV cache (preallocated for
+    ``capacity`` tokens per row when given). ``vision_inputs`` are the model's image arguments:
+    ``mm_encoder_outputs`` (features already computed) or ``pixel_values`` + ``image_grid_thw``."""
+    positions = _rope_positions(policy, ids, mask, grid)
+    out = policy.model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        **_cache_argument(policy.model, _sampling_cache(policy, capacity)),
+        use_cache=True,
+        logits_to_keep=1,
+        **vision_inputs,
+    )
+    return _DecodeState(
+        cache=out.cache if hasattr(out, "cache") else out.past_key_values,
+        attention_mask=mask,
+        next_position=positions.amax(dim=(0, 2)) + 1,  # [N]
+        logits=out.logits[:, -1, :],
+    )
+
+
+def _generators_on(settings: SamplingSettings, device: torch.device) -> SamplingSettings:
+    """``settings`` with its per-prompt generators on ``device``, so that sampling stays on the model's
+    device (at Qwen's 151,936-token vocabulary, copying 128 rows of probabilities to the host is 78 MB per
+    decoded token). Each device generator is seeded by one draw from its prompt's CPU generator: a prompt's
+    tree stays a function of (seed, step, prompt), whichever process samples it. On the CPU: unchanged."""
+    if settings.generators is None or device.type == "cpu":
+        return settings
+    seeds = [int(torch.randint(2**62, (), generator=g)) if g.device.type == "cpu" else None for g in settings.generators]
+    moved = [g if seed is None else torch.Generator(device=device).manual_seed(seed) for g, seed in zip(settings.generators, seeds, strict=True)]
+    return dataclasses.replace(settings, generators=moved)
+
+
+@torch.no_grad()
+def sample_tree(
+    policy: Policy,
+    prompts: Sequence[EncodedPrompt],
+    *,
+    num_thoughts: int,
+    num_answers: int,
+    settings: SamplingSettings,
+) -> TreeSample:
+    """K thoughts per prompt, then M answers per thought from the thought's KV cache."""
+    device = policy.device
+    settings = _generators_on(settings, device)
+    ids, mask = _left_pad([p.input_ids for p in prompts], policy.pad_token_id)
+    ids, mask = ids.to(device), mask.to(device)
+    vision, grid = _encode_images(policy, prompts)
+    # every row's longest possible sequence: prompt, thought, answer (the cache never grows by concatenation)
+    capacity = ids.shape[1] + settings.max_thought_tokens + settings.max_answer_tokens
+    state = prefill(policy, ids, mask, grid, capacity=capacity, **_vision_inputs(vision))
+    _repeat_rows(state, num_thoughts)
+    close_ids = policy.tokenizer.encode(settings.thought_stop, add_special_tokens=False)
+    thought_ids, thought_logprobs, thought_forced, thought_truncated = _decode(
+        policy,
+        state,
+        max_tokens=settings.max_thought_tokens,
+        stop_text=settings.thought_stop,
+        forced_suffix=close_ids,
+        settings=settings,
+    )
+    _repeat_rows(state, num_answers)
+    answer_ids, answer_logprobs, _, answer_truncated = decode_answers(policy, state, settings)
+    return TreeSample(
+        thought_ids=thought_ids,
+        thought_logprobs=thought_logprobs,
+        thought_forced=thought_forced,
+        thought_truncated=thought_truncated,
+        thought_ended_turn=[bool(ids) and ids[-1] in policy.eos_token_ids for ids in thought_ids],
+        answer_ids=answer_ids,
+        answer_logprobs=answer_logprobs,
+        answer_truncated=answer_truncated,
+        vision_images_encoded=int(grid.shape[0]),
+    )

@@ -1,0 +1,181 @@
+"""Loading a Qwen-VL model: the supported families and the coordinate frame each writes boxes in, the model's
+path (``tiny``: the embedded one), the attention implementation, the processor's image bounds, and a LoRA
+checkpoint's base model. ``Policy`` is the loaded model with its processor."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlm_grpo_ma.task_api.coords import CoordinateFrame
+
+SUPPORTED_MODEL_TYPES = {
+    # model_type -> the coordinate frame that family was trained to write boxes and points in
+    "qwen2_5_vl": CoordinateFrame.ABSOLUTE_INPUT,
+    "qwen2_vl": CoordinateFrame.RELATIVE_1000,
+    "qwen3_vl": CoordinateFrame.RELATIVE_1000,
+}
+
+
+
+
+def coordinate_frame_for(model_type: str) -> CoordinateFrame:
+    try:
+        return SUPPORTED_MODEL_TYPES[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        ) from None
+
+
+@dataclass
+class Policy:
+    """A Qwen-VL model and its processor, plus what follows from them (coordinate frame, stop ids)."""
+
+    model: torch.nn.Module
+    processor: object
+    frame: CoordinateFrame
+    # With LoRA: the peft wrapper of ``model`` (its LoRA layers live inside ``model``; see vlm_grpo_ma/lora.py)
+    adapter: object | None = None
+
+    @property
+    def tokenizer(self):
+        return self.processor.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+
+    @property
+    def image_token_id(self) -> int:
+        return self.model.config.image_token_id
+
+    @functools.cached_property
+    def suppressed_token_ids(self) -> list[int]:
+        """Vision placeholder tokens: never sampled (a generated <|image_pad|> would be taken for an image slot
+        by the next forward). Their logits are set to -inf both when sampling and when scoring, so sampling
+        log-probs and training log-probs stay the same distribution."""
+        names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+        unk = self.tokenizer.unk_token_id
+        ids = {self.tokenizer.convert_tokens_to_ids(name) for name in names}
+        return sorted(i for i in ids if isinstance(i, int) and i >= 0 and i != unk)
+
+
+    def stop_candidates(self, stop_text: str) -> frozenset[int]:
+        """Token ids whose text holds the stop text's last character. A stop text that was not in a row's
+        text before its newest token can only appear now if that token supplies its last character, so
+        only after these tokens does decoding need to look (per stop text, computed once)."""
+        cache = self.__dict__.setdefault("_stop_candidates", {})
+        if stop_text not in cache:
+            texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+            cache[stop_text] = frozenset(i for i, text in enumerate(texts) if stop_text[-1] in text)
+        return cache[stop_text]
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    from vlm_grpo_ma.model.tiny import TINY_MODEL_DIR, TINY_MODEL_NAME
+
+    return str(TINY_MODEL_DIR) if name_or_path == TINY_MODEL_NAME else name_or_path
+
+
+def pick_attn_implementation(requested: str) -> str:
+    """``auto``: flash_attention_2 where flash-attn is installed and CUDA is present, else sdpa."""
+    if requested != "auto":
+        return requested
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def _checked_model_path(name_or_path: str, what: str) -> str:
+    """``tiny`` -> the embedded folder; a local-looking path must exist (hub ids pass through)."""
+    path = resolve_model_path(name_or_path)
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
+    if looks_local and not Path(path).expanduser().exists():
+        raise FileNotFoundError(
+            f"{what} {name_or_path!r}: no such local folder (give a folder, a hub id like"
+            " Qwen/Qwen2.5-VL-3B-Instruct, or 'tiny' for the embedded model)"
+        )
+    return str(Path(path).expanduser()) if looks_local else path
+
+
+def load_policy(
+    name_or_path: str,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str = "auto",
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    device: torch.device | str = "cpu",
+) -> Policy:
+    """Load a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (hub id or local path; ``tiny`` = the embedded one).
+
+    A folder with ``adapter_config.json`` (a LoRA checkpoint) loads the base model it names in
+    ``base_model_name_or_path``, then the adapter, trainable (resume continues training it): ``policy.model``
+    is the base model with the LoRA layers inside, ``policy.adapter`` the peft wrapper.
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    path = _checked_model_path(name_or_path, "model.name_or_path")
+    processor_path, adapter_dir = path, None
+    if (Path(path) / "adapter_config.json").is_file():
+        adapter_dir = Path(path)
+        base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{adapter_dir / 'adapter_config.json'} names no base_model_name_or_path")
+        path = _checked_model_path(base, f"base model of the LoRA adapter {adapter_dir}:")
+        if (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"the base model of {adapter_dir} is itself an adapter ({path}); merge it first")
+        # a checkpoint saves the processor next to the adapter; a bare adapter folder uses the base's
+        if any((adapter_dir / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
+            processor_path = str(adapter_dir)
+        else:
+            processor_path = path
+    config = AutoConfig.from_pretrained(path)
+    frame = coordinate_frame_for(config.model_type)
+    processor = AutoProcessor.from_pretrained(processor_path)
+    if min_pixels is not None or max_pixels is not None:
+        # the image processor's resize bounds (in pixels) live in size = {shortest_edge, longest_edge}
+        size = dict(processor.image_processor.size)
+        size["shortest_edge"] = min_pixels if min_pixels is not None else size["shortest_edge"]
+        size["longest_edge"] = max_pixels if max_pixels is not None else size["longest_edge"]
+        processor.image_processor.size = size
+    processor.tokenizer.padding_side = "left"
+    # use_kernels=False: with the `kernels` package installed (transformers >= 5.25 requires it), a model loaded
+    # with the default swaps layers for Hub kernels at its first .train() on CUDA, fetching them from the Hub
+    # (an offline GPU run stops there) and changing the numerics the trainer's one log-prob path is held to.
+    model = AutoModelForImageTextToText.from_pretrained(
+        path,
+        dtype=getattr(torch, dtype),
+        attn_implementation=pick_attn_implementation(attn_implementation),
+        use_kernels=False,
+    ).to(device)
+    adapter = None
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        # LoRA layers are injected into `model` in place; base weights stay frozen, the adapter trains
+        adapter = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+    return Policy(model=model, processor=processor, frame=frame, adapter=adapter)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

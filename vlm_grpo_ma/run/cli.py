@@ -1,0 +1,65 @@
+"""``python -m vlm_grpo_ma.train``: arguments, dotted overrides, exit codes. ``main`` calls ``train.train``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from vlm_grpo_ma.run import survive
+from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.distributed import process_group_left_at_the_end
+from vlm_grpo_ma.run.loop import train
+from vlm_grpo_ma.task_api.registry import get_task, import_task_modules
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_grpo_ma.train",
+        description="Train a Qwen-VL model with GRPO-MA (K thoughts x M answers per prompt).",
+        epilog="Overrides: section.key=value, e.g. rollout.num_answers=1 rollout.num_thoughts=16 train.steps=50",
+    )
+    parser.add_argument("--config", help="YAML config file (sections: model rollout algorithm data train logging)")
+    parser.add_argument("--task", help="task name (same as data.task=NAME)")
+    parser.add_argument("--output-dir", help="run directory (same as train.output_dir=DIR)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the run directory")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete the outputs of an earlier run in the run directory first"
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # intermixed: dotted overrides may come before, between or after the options
+    args = build_arg_parser().parse_intermixed_args(argv)
+    overrides = list(args.overrides)
+    if args.task:
+        overrides.append(f"data.task={args.task}")
+    if args.output_dir:
+        overrides.append(f"train.output_dir={args.output_dir}")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        cfg = load_config(args.config, overrides)
+        if args.task and cfg.data.tasks:
+            raise ConfigError(f"--task {args.task} and data.tasks {cfg.data.tasks} both name the tasks; give one")
+        import_task_modules(cfg.data.task_modules)
+        for name in cfg.task_weights:
+            get_task(name)
+    except (ConfigError, KeyError, FileNotFoundError) as error:  # KeyError: an unknown task name
+        print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
+        return 2
+    try:
+        if args.resume and args.overwrite:
+            raise ConfigError("--resume continues the run in the run directory and --overwrite deletes it; give one")
+        with process_group_left_at_the_end():
+            train(cfg, resume=args.resume, overwrite=args.overwrite)
+    except ConfigError as error:  # found when loading the data or the model
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except (survive.NonFiniteError, survive.StoppedByAnotherProcess) as error:  # the message names the quantity / process
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as interrupt:  # train() saved a checkpoint of the steps done
+        return interrupt.exit_code if isinstance(interrupt, survive.Terminated) else 130
+    return 0

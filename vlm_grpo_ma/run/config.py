@@ -1,0 +1,536 @@
+"""One typed config tree: dataclass defaults (= the embedded default run), a YAML file, dotted CLI overrides.
+
+``load_config(path, overrides)`` merges, type-checks and validates; every error names the key and, where
+the value must be one of a set, the valid choices. Derived values are computed (``Config.answers_per_prompt``),
+never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vlm_grpo_ma.algorithm.advantages import ADVANTAGE_ESTIMATORS
+from vlm_grpo_ma.algorithm.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
+from vlm_grpo_ma.engines.decode import SEED_STRIDE
+from vlm_grpo_ma.run.trackers import check_report_to
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and the valid choices."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "tiny"  # "tiny" = the embedded model; else a hub id or local path of a Qwen-VL model
+    dtype: str = "float32"
+    attn_implementation: str = "auto"  # auto: flash_attention_2 when installed on a GPU, else sdpa
+    min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
+    max_pixels: int | None = None
+    gradient_checkpointing: bool = False
+    # keep the vision tower (and its merger) fixed and train the language model only; false trains it too
+    freeze_vision: bool = True
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of all weights
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )  # module-name suffixes in the language model that get adapters
+
+
+@dataclass
+class RolloutConfig:
+    num_thoughts: int = 4  # K
+    num_answers: int = 4  # M; 1 = plain GRPO
+    max_thought_tokens: int = 40
+    max_answer_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # A thought that reaches max_thought_tokens gets a forced "</think>". close: its answers are scored and trained
+    # normally; zero: its answers score 0 (the thought's penalty) and are not trained on (rollout.answers_void).
+    truncated_thoughts: str = "close"
+    thought_stop: str = "</think>"
+    answer_stop: str = "</answer>"
+    reward_workers: int = 8  # worker processes scoring answers (each reward call runs in one)
+    reward_timeout_s: float = 30.0  # deadline of one reward call; past it: killed, scored 0, count/reward_timeouts
+    # What samples the K x M tree (vlm_grpo_ma/engines): hf (the KV-branching decode loop of policy.py, the
+    # default) or vllm (an in-process vLLM engine: `scripts/setup.sh --vllm`; one process only; docs/VLLM.md).
+    engine: str = "hf"
+    vllm_gpu_memory_utilization: float = 0.35  # the share of GPU memory the engine takes (weights + KV cache)
+    vllm_kv_cache_gib: float = 1.0  # CPU build only: its KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)
+    vllm_tensor_parallel_size: int = 1
+    vllm_sleep: bool = False  # GPU only: free the engine's memory during the update (sleep level 1), wake after
+
+
+@dataclass
+class AlgorithmConfig:
+    # How rewards [B, K, M] become thought and answer advantages (advantages.ADVANTAGE_ESTIMATORS). grpo_ma: a
+    # thought's mean reward normalised over the prompt's K thoughts, each answer's reward over answer_baseline's
+    # group; a thought is one sequence of the objective, trained once. grpo: plain GRPO over the K*M (thought,
+    # answer) sequences, each normalised over the prompt's K*M, a thought trained in each of its M sequences
+    # with that sequence's advantage (exactly re-encoding the K*M; needs answer_baseline=prompt).
+    advantage_estimator: str = "grpo_ma"
+    # The group an answer's reward is normalised over. "thought" (the default): its thought's M answers, so answer
+    # tokens are pushed only by what they control given the thought (needs M >= 2); it gained the most held-out
+    # IoU on the embedded task (docs/TUNING.md). "prompt" (GRPO-MA's paper, the GPU presets): the prompt's K*M
+    # answers; with M = 1 that is plain GRPO.
+    answer_baseline: str = "thought"
+    scale_by_std: bool = True  # false: Dr.GRPO's advantages (reward minus the group mean, no std division)
+    std_unbiased: bool = False
+    eps: float = 1e-6
+    # The per-token policy loss (loss.POLICY_LOSSES): ppo (clipped surrogate), gspo (sequence-level ratio,
+    # length-normalised; GSPO as published also sets loss_aggregation=sequence and clips at 3e-4/4e-4), cispo
+    # (clipped, stop-gradient importance weight times the log-prob; clip_low=1 leaves the lower side open as
+    # MiniMax-M1 does).
+    policy_loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28  # asymmetric ("clip-higher", DAPO arXiv 2503.14476)
+    kl_coef: float = 0.0  # > 0 loads a frozen reference policy and adds k3 KL
+    # policy updates per rollout. With 1 the importance ratio is exactly 1 and clip_low/clip_high have no effect;
+    # > 1 reuses the rollout and the ratio and clipping act from the second update on.
+    num_iterations: int = 1
+    # How the step's tokens are weighted (loss.LOSS_AGGREGATIONS); the weights sum to 1 over the step (dr_grpo's
+    # to at most 1). token: one mean over every trained token (DAPO). sequence: each sequence averaged over its tokens,
+    # then sequences averaged (GRPO as published; on GRPO-MA's tree thoughts and answers are two halves).
+    # dr_grpo: sequence with a constant length, the maximum (Dr.GRPO; pair with scale_by_std=false).
+    # sequence is the default: under token averaging a T4A4 thought's tokens get 16% of the gradient against its
+    # M answers' tokens, and the embedded run learns more slowly (docs/TUNING.md, "Sequence averaging").
+    loss_aggregation: str = "sequence"
+    # DAPO's dynamic sampling: drop prompt groups whose K*M task rewards are all equal (no signal) and draw more
+    # prompts, up to dynamic_sampling_max_draws extra draws of train.prompts_per_step prompts, until the draws hold
+    # prompts_per_step informative groups (short of that, uninformative ones fill the step; both are counted).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_draws: int = 4
+    # DAPO's soft overlong punishment: within the last N tokens before rollout.max_thought_tokens /
+    # rollout.max_answer_tokens the reward falls linearly, by up to overlong_penalty at the limit. 0 = off.
+    overlong_buffer_thought_tokens: int = 0
+    overlong_buffer_answer_tokens: int = 0
+    overlong_penalty: float = 1.0
+    # Correcting for the sampling engine's log-probs differing from the trainer's (bf16 engines): none, or tis
+    # (truncated importance sampling: each token's loss times min(exp(old - engine), rollout_correction_cap)).
+    rollout_correction: str = "none"
+    rollout_correction_cap: float = 2.0
+
+
+@dataclass
+class DataConfig:
+    task: str = "grounding"  # one task; or leave it and set `tasks` to mix several
+    tasks: dict[str, float] = field(default_factory=dict)  # a mixture {name: weight}; replaces `task` when set
+    split: str = "train"
+    source: str | None = None  # a local file in a format `task` loads; None = the embedded data
+    sources: dict[str, str] = field(default_factory=dict)  # with `tasks`: {name: file}; unnamed tasks embedded
+    eval_split: str = "test"  # held-out embedded split evaluated every train.eval_every steps
+    eval_sources: dict[str, str] = field(default_factory=dict)  # {task: file} held-out files instead
+    task_modules: list[str] = field(default_factory=list)  # extra task modules (dotted names or .py paths)
+    reward_weights: dict[str, float] = field(default_factory=dict)  # override the task's default weights
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300  # optimizer steps (one rollout of prompts_per_step prompts each)
+    prompts_per_step: int = 16  # B; rows per step = B * K * M
+    micro_batch_rows: int = 32  # answer rows per forward/backward
+    learning_rate: float = 2e-4
+    optimizer: str = "adamw"  # adamw, or sgd (plain, no momentum: used by the equivalence checks)
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    # clip the gradient's global norm to this; must be > 0 (0 would zero every update while the logged norm
+    # looks normal). No "off" value: a large one (1e9) leaves the gradients as they are.
+    max_grad_norm: float = 1.0
+    seed: int = 0  # 0 .. max_seed(steps), about 1.84e7: the sampling seeds must fit in 64 bits
+    output_dir: str = "runs/grounding-tiny"
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    mixed_precision: str = "no"  # "bf16": autocast through accelerate (GPU); weights stay in model.dtype
+    eval_every: int = 100  # greedy evaluation on data.eval_split before step 1 and every N steps (0 = never)
+    eval_samples: int = 100  # held-out samples per task in each evaluation
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    rollout_samples_per_step: int = 2  # rollouts dumped to rollouts.jsonl per step (and rows of the completions table)
+    # Where the metrics also go (trackers.TRACKERS): tensorboard, wandb, mlflow, swanlab, trackio; [] or [none]:
+    # metrics.jsonl only. All but tensorboard need `pip install -e .[trackers]`.
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "vlm-grpo-ma"  # the trackers' project (MLflow: experiment)
+    run_name: str | None = None  # None: the name of train.output_dir
+    tags: list[str] = field(default_factory=list)
+    # true: W&B and SwanLab in their offline modes, MLflow in a SQLite file of the run folder, trackio local; no
+    # network. false: each library's own settings (WANDB_MODE, MLFLOW_TRACKING_URI, SWANLAB_MODE, ...).
+    offline: bool = True
+    rollout_every: int = 10  # a completions table to the trackers every N steps (0: never)
+    eval_drawings: int = 4  # held-out images drawn per task at each evaluation (eval/step-N/draw/, and trackers)
+    progress_bar: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def task_weights(self) -> dict[str, float]:
+        """The run's tasks and their mixing weights (one task: ``{data.task: 1.0}``)."""
+        return dict(self.data.tasks) if self.data.tasks else {self.data.task: 1.0}
+
+    def task_source(self, name: str) -> str | None:
+        return self.data.sources.get(name) if self.data.tasks else self.data.source
+
+    @property
+    def answers_per_prompt(self) -> int:
+        return self.rollout.num_thoughts * self.rollout.num_answers
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
+    "rollout.truncated_thoughts": ("close", "zero"),
+    "rollout.engine": ("hf", "vllm"),
+    "algorithm.rollout_correction": ("none", "tis"),
+    "algorithm.advantage_estimator": tuple(ADVANTAGE_ESTIMATORS),
+    "algorithm.answer_baseline": ("prompt", "thought"),
+    "algorithm.loss_aggregation": tuple(LOSS_AGGREGATIONS),
+    "algorithm.policy_loss": tuple(POLICY_LOSSES),
+    "train.optimizer": ("adamw", "sgd"),
+    "train.lr_schedule": ("constant", "linear", "cosine"),
+    "train.mixed_precision": ("no", "bf16"),  # fp16 is refused with its reason in validate()
+}
+POSITIVE = (
+    "rollout.num_thoughts",
+    "rollout.num_answers",
+    "rollout.max_thought_tokens",
+    "rollout.max_answer_tokens",
+    "rollout.temperature",
+    "rollout.reward_workers",
+    "rollout.reward_timeout_s",
+    "rollout.vllm_gpu_memory_utilization",
+    "rollout.vllm_kv_cache_gib",
+    "rollout.vllm_tensor_parallel_size",
+    "algorithm.rollout_correction_cap",
+    "algorithm.num_iterations",
+    "train.steps",
+    "train.prompts_per_step",
+    "train.micro_batch_rows",
+    "train.learning_rate",
+    "train.max_grad_norm",
+    "train.eval_samples",  # 0 would divide by zero in the first evaluation
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "logging.log_every",
+    "model.min_pixels",
+    "model.max_pixels",
+)
+NON_NEGATIVE = (
+    "algorithm.eps",
+    "algorithm.clip_low",
+    "algorithm.clip_high",
+    "algorithm.kl_coef",
+    "algorithm.dynamic_sampling_max_draws",
+    "algorithm.overlong_buffer_thought_tokens",
+    "algorithm.overlong_buffer_answer_tokens",
+    "algorithm.overlong_penalty",
+    "model.lora_rank",
+    "model.lora_dropout",
+    "train.weight_decay",
+    "train.warmup_steps",
+    "train.num_threads",
+    "train.eval_every",
+    "logging.rollout_samples_per_step",
+    "logging.rollout_every",
+    "logging.eval_drawings",
+    "train.seed",
+)
+# Keys that were renamed: the error says what to write instead.
+REPLACED_KEYS = {
+    "logging.tensorboard": "list the trackers in logging.report_to (e.g. logging.report_to=[tensorboard], or [] for none)",
+}
+# Integers far beyond any sensible run overflow torch/numpy calls mid-start with a traceback; refuse them.
+MAX_INT = 2**31 - 1
+# Each prompt samples from a torch generator seeded with (train.seed * SEED_STRIDE + step) * SEED_STRIDE +
+# prompt (engines.decode.SEED_STRIDE); torch's manual_seed takes at most 2**64 - 1. Seeds up to numpy's
+# 2**32 - 1 passed validation and overflowed at step 1 ("Overflow when unpacking long long"), after the model
+# and data had loaded: max_seed is the bound for the run's steps and prompts.
+
+
+def max_seed(steps: int) -> int:
+    """The largest ``train.seed`` whose sampling seeds fit in 64 bits for every step of a run of ``steps``
+    steps, with room for SEED_STRIDE - 1 prompts a step, any redraws included (about 1.84e7 for any run of
+    under a million steps)."""
+    largest_offset = max(steps, 1) * SEED_STRIDE - 1  # step steps - 1, prompt SEED_STRIDE - 1
+    return (2**64 - 1 - largest_offset) // SEED_STRIDE**2
+
+
+def _numbers(cfg: Config):
+    """(dotted key, value) of every int/float value in the tree, dict entries included (``data.tasks.vqa``)."""
+    for section in dataclasses.fields(cfg):
+        for item in dataclasses.fields(getattr(cfg, section.name)):
+            key, value = f"{section.name}.{item.name}", getattr(getattr(cfg, section.name), item.name)
+            values = value.items() if isinstance(value, dict) else [(None, value)]
+            for name, v in values:
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    yield (key if name is None else f"{key}.{name}"), v
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def validate(cfg: Config) -> Config:
+    # NaN passes neither `> 0` nor `>= 0` but inf passes both; an infinite learning rate, reward or task weight
+    # would train on NaN weights (or on one task only), so every number must be finite.
+    for key, value in _numbers(cfg):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+        if isinstance(value, int) and key != "train.seed" and abs(value) > MAX_INT:
+            raise ConfigError(f"{key}={value} is out of range (at most {MAX_INT})")
+    if cfg.train.mixed_precision == "fp16":
+        raise ConfigError(
+            "train.mixed_precision=fp16 is not supported: the trainer has no loss scaling (the first overflow"
+            " would stop the run, and FSDP would clip still-scaled gradients); use bf16 (or no)"
+        )
+    for key, choices in CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid; choose one of: {', '.join(choices)}")
+    for key in POSITIVE:
+        if _get(cfg, key) is not None and not _get(cfg, key) > 0:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be > 0")
+    for key in NON_NEGATIVE:
+        if _get(cfg, key) is not None and not _get(cfg, key) >= 0:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be >= 0")
+    highest_seed = max_seed(cfg.train.steps)
+    if not 0 <= cfg.train.seed <= highest_seed:
+        raise ConfigError(
+            f"train.seed={cfg.train.seed} is out of range: valid seeds are 0 .. {highest_seed} (each prompt's"
+            f" sampling seed, (seed * {SEED_STRIDE} + step) * {SEED_STRIDE} + prompt, must fit in 64 bits)"
+        )
+    if None not in (cfg.model.min_pixels, cfg.model.max_pixels) and cfg.model.min_pixels > cfg.model.max_pixels:
+        raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} must be <= model.max_pixels={cfg.model.max_pixels}")
+    draws = 1 + cfg.algorithm.dynamic_sampling_max_draws if cfg.algorithm.dynamic_sampling else 1
+    if draws * cfg.train.prompts_per_step > SEED_STRIDE:
+        raise ConfigError(
+            f"algorithm.dynamic_sampling_max_draws={cfg.algorithm.dynamic_sampling_max_draws} with"
+            f" train.prompts_per_step={cfg.train.prompts_per_step} draws more than {SEED_STRIDE} prompts a step, the"
+            " most the sampling seeds number apart"
+        )
+    if not cfg.algorithm.clip_low <= 1:
+        raise ConfigError(
+            f"algorithm.clip_low={cfg.algorithm.clip_low!r} must be in [0, 1] (the ratio's lower bound is 1 - clip_low;"
+            " 1 leaves it open)"
+        )
+    if cfg.rollout.engine == "vllm" and cfg.rollout.top_p < 1:
+        raise ConfigError(
+            f"rollout.top_p={cfg.rollout.top_p!r}: rollout.engine=vllm reports log-probs renormalised over the nucleus,"
+            " while the trainer scores the whole distribution, so the log-prob gap and the TIS weights would measure"
+            " the nucleus, not the engine; use rollout.top_p=1 or rollout.engine=hf"
+        )
+    if cfg.rollout.engine == "vllm" and cfg.rollout.temperature > 2:
+        raise ConfigError(
+            f"rollout.temperature={cfg.rollout.temperature!r}: rollout.engine=vllm samples at temperatures up to 2"
+            " only (vLLM refuses higher ones); lower it or use rollout.engine=hf"
+        )
+    if not cfg.rollout.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.vllm_gpu_memory_utilization={cfg.rollout.vllm_gpu_memory_utilization!r} must be in (0, 1]")
+    if not cfg.algorithm.rollout_correction_cap >= 1:
+        raise ConfigError(
+            f"algorithm.rollout_correction_cap={cfg.algorithm.rollout_correction_cap!r} must be >= 1 (the largest"
+            " importance weight a token's loss gets; below 1 every token would be scaled down)"
+        )
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
+    if cfg.rollout.num_thoughts < 2:
+        raise ConfigError(
+            f"rollout.num_thoughts={cfg.rollout.num_thoughts} must be >= 2: advantages are normalised over the"
+            " thoughts of a prompt, so a single thought always gets advantage 0"
+        )
+    if cfg.algorithm.answer_baseline == "thought" and cfg.rollout.num_answers < 2:
+        raise ConfigError(
+            "algorithm.answer_baseline='thought' needs rollout.num_answers >= 2 (with one answer per thought"
+            " every answer advantage would be 0); for plain GRPO (M = 1) set algorithm.advantage_estimator=grpo and"
+            " algorithm.answer_baseline=prompt, as configs/tiny-grounding-t16a1.yaml does"
+        )
+    if cfg.algorithm.advantage_estimator == "grpo" and cfg.algorithm.answer_baseline != "prompt":
+        raise ConfigError(
+            f"algorithm.advantage_estimator=grpo normalises every answer over its prompt's K*M answers; set"
+            f" algorithm.answer_baseline=prompt (it is {cfg.algorithm.answer_baseline!r})"
+        )
+    for kind in ("thought", "answer"):
+        buffer, limit = _get(cfg, f"algorithm.overlong_buffer_{kind}_tokens"), _get(cfg, f"rollout.max_{kind}_tokens")
+        if buffer > limit:
+            raise ConfigError(
+                f"algorithm.overlong_buffer_{kind}_tokens={buffer} must be <= rollout.max_{kind}_tokens={limit}"
+                " (the penalty ramps over the last that many tokens before the limit)"
+            )
+    if cfg.data.tasks:
+        bad = {name: w for name, w in cfg.data.tasks.items() if not w > 0}
+        if bad:
+            raise ConfigError(f"data.tasks weights must be > 0, got {bad}")
+        if cfg.data.source is not None:
+            raise ConfigError("data.source is for a single data.task; with data.tasks name files in data.sources")
+    unknown_sources = sorted(set(cfg.data.sources) - set(cfg.data.tasks))
+    if unknown_sources:
+        raise ConfigError(f"data.sources names {unknown_sources}, which are not in data.tasks {sorted(cfg.data.tasks)}")
+    unknown_eval = sorted(set(cfg.data.eval_sources) - set(cfg.task_weights))
+    if unknown_eval:
+        raise ConfigError(f"data.eval_sources names {unknown_eval}, which are not tasks of this run {sorted(cfg.task_weights)}")
+    for name, weight in cfg.data.reward_weights.items():
+        if not isinstance(weight, (int, float)):
+            raise ConfigError(f"data.reward_weights.{name}={weight!r} must be a number")
+    try:
+        check_report_to(cfg.logging.report_to)
+    except ValueError as error:
+        raise ConfigError(f"logging.report_to={cfg.logging.report_to}: {error}") from None
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Merging YAML and overrides into the typed tree
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    """Coerce ``value`` to the field's annotated type or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(key, value, arg)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        return [_check_type(key, v, typing.get_args(annotation)[0]) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping")
+        return {str(k): _check_type(f"{key}.{k}", v, typing.get_args(annotation)[1]) for k, v in value.items()}
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} must be a number")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r} must be a string")
+    return value
+
+
+def _apply(section_obj: Any, section_name: str, values: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(type(section_obj))
+    names = [f.name for f in dataclasses.fields(section_obj)]
+    for key, value in values.items():
+        if key not in names:
+            if f"{section_name}.{key}" in REPLACED_KEYS:
+                raise ConfigError(f"{section_name}.{key} is gone: {REPLACED_KEYS[f'{section_name}.{key}']}")
+            raise ConfigError(f"unknown config key {section_name}.{key}; valid keys: {', '.join(names)}")
+        if isinstance(value, bool) and "no" in CHOICES.get(f"{section_name}.{key}", ()):
+            value = "yes" if value else "no"  # YAML 1.1 reads a bare `no` (e.g. mixed_precision: no) as false
+        setattr(section_obj, key, _check_type(f"{section_name}.{key}", value, hints[key]))
+
+
+def merge(cfg: Config, values: dict[str, Any]) -> Config:
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    for section, section_values in (values or {}).items():
+        if section not in sections:
+            raise ConfigError(f"unknown config section {section!r}; valid sections: {', '.join(sections)}")
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping, got {section_values!r}")
+        _apply(getattr(cfg, section), section, section_values)
+    return cfg
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``rollout.num_answers=8`` -> {"rollout": {"num_answers": 8}} (values parsed as YAML scalars)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. rollout.num_answers=8)")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) < 2:
+        raise ConfigError(f"override key {dotted!r} must be section.key (e.g. rollout.num_answers)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {text!r}: the value {raw!r} is not valid YAML ({_yaml_problem(error)})") from None
+    nested: dict[str, Any] = {parts[-1]: value}
+    for part in reversed(parts[1:-1]):
+        nested = {part: nested}
+    return {parts[0]: nested}
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's short reason ("found unexpected end of stream"), without its multi-line snippet."""
+    return getattr(error, "problem", None) or str(error).splitlines()[0]
+
+
+def _deep_update(base: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            raise ConfigError(f"{where}: not valid YAML ({_yaml_problem(error)})") from None
+        except UnicodeDecodeError as error:
+            line = path.read_bytes()[: error.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    for text in overrides or []:
+        _deep_update(values, parse_override(text))
+    return validate(merge(Config(), values))
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

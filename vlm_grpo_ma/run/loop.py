@@ -1,0 +1,343 @@
+"""GRPO-MA training: ``python -m vlm_grpo_ma.train --task grounding`` (see ``--help``; the CLI is ``cli.py``).
+
+``train()`` is the loop, read top to bottom: draw prompts, sample K thoughts x M answers, score, compute
+advantages, build the batch, update, log, evaluate, checkpoint. What it builds first is ``run_setup.setup_run``;
+the update is ``update.update_policy``. Helpers are called, not inherited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import sys
+import time
+from collections import Counter
+
+from vlm_grpo_ma.algorithm.advantages import compute_advantages, informative_prompts
+from vlm_grpo_ma.engines.decode import SEED_STRIDE, SamplingSettings, prompt_generators
+from vlm_grpo_ma.engines.rollout import Rollout
+from vlm_grpo_ma.model import lora
+from vlm_grpo_ma.model.loading import Policy
+from vlm_grpo_ma.model.prompts import EncodedPrompt, encode_prompt
+from vlm_grpo_ma.run import checkpoint as ckpt
+from vlm_grpo_ma.run import sharding, survive
+from vlm_grpo_ma.run.batch import TrainBatch, build_train_batch
+from vlm_grpo_ma.run.config import Config
+from vlm_grpo_ma.run.distributed import mean_over_processes, sum_over_processes
+from vlm_grpo_ma.run.dynamic_sampling import draw_groups, keep_groups
+from vlm_grpo_ma.run.held_out import evaluate_during_training
+from vlm_grpo_ma.run.rewards import ScoredRollout, add_overlong_penalty, score_rollout
+from vlm_grpo_ma.run.run_dir import write_summary
+from vlm_grpo_ma.run.setup import RunState, setup_run
+from vlm_grpo_ma.run.step_metrics import headline_metrics, rollout_metrics, rollout_records, timing_metrics
+from vlm_grpo_ma.run.update import UpdateGuard, update_policy
+from vlm_grpo_ma.task_api.images import ImageLoadError
+from vlm_grpo_ma.task_api.registry import get_task
+from vlm_grpo_ma.task_api.streams import PromptStream
+
+log = logging.getLogger("vlm_grpo_ma.train")
+
+
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
+    """Run ``cfg``'s training; returns the summary (also written to summary.json)."""
+    run = setup_run(cfg, resume=resume, overwrite=overwrite)
+    policy, scorer, accelerator, counters = run.policy, run.scorer, run.accelerator, run.counters
+    if run.eval_sets and run.start_step == 0:  # the start of the held-out curve: the samples of every later one
+        policy.model.eval()
+        held_out = evaluate(run, 0)
+        if accelerator.is_main_process:
+            run.logger.log_step(0, held_out, advance=False)
+            run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
+    step, guard, completed = run.start_step, UpdateGuard(), run.completed_state()
+    # SIGTERM saves and stops like Ctrl-C (exit code 143); several processes stop together (survive.together)
+    restore_sigterm = survive.raise_on_sigterm(accelerator.num_processes)
+    try:
+        while step < cfg.train.steps:
+            started = time.perf_counter()
+            prompts, rollout, scored, rollout_seconds = sample_step(run, step)
+            step_counts = sum_over_processes(accelerator, scored.counters)
+            counters.update(step_counts)
+            with survive.together(accelerator):  # a non-finite input on any process stops every process here
+                thought_adv, answer_adv = compute_advantages(
+                    cfg.algorithm.advantage_estimator, scored.rewards, answer_baseline=cfg.algorithm.answer_baseline,
+                    scale_by_std=cfg.algorithm.scale_by_std, eps=cfg.algorithm.eps, unbiased=cfg.algorithm.std_unbiased,
+                )  # fmt: skip
+                batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts=cfg.rollout.truncated_thoughts)
+                policy.model.train()
+                learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
+                survive.check_inputs_finite(step + 1, scored.rewards, (thought_adv, answer_adv), learning_rate)
+            update = update_policy(scorer, batch, prompts, cfg, accelerator, run.optimizer, run.reference, guard)
+            # FSDP: each process checks its shards. A stop signal waits for the logging block below: the step
+            # is complete there, and stopping here would keep the last checkpoint, losing the steps since it.
+            with survive.together(accelerator, act_on_signals=False):
+                survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
+            run.engine.push_weights(policy)  # the next rollout samples from the updated policy
+            run.scheduler.step()
+            # The grad norm joins the spike history before the step's state is taken: a checkpoint of this
+            # step must hold it, or a resumed run's next ratios are computed over a window one step short.
+            update["train/grad_norm_spike_ratio"] = run.spikes.observe(update["train/grad_norm"])
+            step, guard.weights_changed, completed = step + 1, False, run.completed_state()
+
+            metrics = step_metrics(run, rollout, scored, (thought_adv, answer_adv), batch, update, learning_rate,
+                                   seconds=(time.perf_counter() - started, rollout_seconds), step_counts=step_counts)  # fmt: skip
+            evaluating = bool(run.eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+            if evaluating:
+                metrics.update(evaluate(run, step))
+            with survive.together(accelerator):  # the main process's logging; a stop signal on any process
+                if accelerator.is_main_process:
+                    if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluating:
+                        run.logger.log_step(step, metrics)
+                    if evaluating:  # the drawings of truth and greedy prediction the evaluation wrote
+                        run.logger.log_drawings(step, eval_folder(run, step) / "draw")
+                    trees = rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step, thought_adv)
+                    run.logger.log_rollouts(step, trees, [s.images[0] if s.images else None for s in rollout.samples[: len(trees)]])
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+                with survive.together(accelerator):
+                    save_checkpoint(run, step, completed)
+                accelerator.wait_for_everyone()
+    except BaseException as error:
+        save_on_the_way_out(run, step, guard, completed, error)  # nothing lost on a crash or Ctrl-C
+        raise
+    finally:
+        restore_sigterm()
+        run.logger.close()
+    return write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
+
+
+def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout, ScoredRollout, float]:
+    """This process's share of step ``step``: its prompts, their K x M rollout, scored (with DAPO's overlong
+    shaping when configured), and the seconds spent drawing and sampling.
+
+    Without ``algorithm.dynamic_sampling``: one draw of ``train.prompts_per_step`` prompts. With it
+    (``dynamic_sampling.py``), the step is drawn again, up to ``algorithm.dynamic_sampling_max_draws`` more times,
+    until the draws hold ``prompts_per_step`` groups whose task rewards are not all equal; the step trains the
+    first of those, filled up with uninformative ones, and every process takes its share. The extra prompts
+    drawn (``resampled_prompts``) and the uninformative groups trained are counted. A resumed run is exact: the
+    extra draws are part of the stream's position."""
+    cfg, algo = run.cfg, run.cfg.algorithm
+    share, first = run.prompts_per_process, run.accelerator.process_index * run.prompts_per_process
+    groups, sampling_seconds, counts = [], 0.0, Counter()
+    for draw in range(1 + (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 0)):
+        started = time.perf_counter()
+        # Each block between collectives runs in survive.together: an error on one process stops every process.
+        samples, prompts, settings = step_prompts(run, step, draw)  # the whole draw, this share encoded
+        run.policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
+        # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
+        with sharding.gathered(run.scorer), run.accelerator.autocast(), survive.together(run.accelerator):
+            rollout = run.engine.sample(run.policy, samples[first : first + share], prompts[first : first + share],
+                                        num_thoughts=cfg.rollout.num_thoughts, num_answers=cfg.rollout.num_answers,
+                                        settings=settings)  # fmt: skip
+        sampling_seconds += time.perf_counter() - started
+        with survive.together(run.accelerator):
+            scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
+                                   truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
+            informative = informative_prompts(scored.rewards)  # on the task's rewards, before the length shaping (as DAPO)
+            scored = add_overlong_penalty(
+                scored, rollout, max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens,
+                thought_buffer=algo.overlong_buffer_thought_tokens, answer_buffer=algo.overlong_buffer_answer_tokens,
+                penalty=algo.overlong_penalty,
+            )  # fmt: skip
+        if not algo.dynamic_sampling:
+            return rollout.prompts, rollout, scored, sampling_seconds
+        counts.update(scored.counters)
+        counts["resampled_prompts"] += share if draw > 0 else 0
+        groups += draw_groups(run.accelerator, rollout, scored, informative, samples, prompts)
+        if sum(group.informative for group in groups) >= cfg.train.prompts_per_step:
+            break
+    rollout, scored = keep_groups(groups, cfg.train.prompts_per_step, first, share, counts)
+    with survive.together(run.accelerator):  # a group sampled by another process: its prompt is encoded here
+        prompts = [p if p is not None else encode_sample(run.policy, s) for p, s in zip(rollout.prompts, rollout.samples, strict=True)]
+    return prompts, dataclasses.replace(rollout, prompts=prompts), scored, sampling_seconds
+
+
+def step_prompts(run: RunState, step: int, draw: int = 0) -> tuple[list, list[EncodedPrompt | None], SamplingSettings]:
+    """The samples of step ``step``'s ``draw``-th draw (dynamic sampling draws again), all of them, and their
+    encoded prompts, of which this process encodes only its share (prompts ``process_index * share`` onwards;
+    the others are None), with its sampling settings. Every process draws the same samples (same stream, same
+    skips: ``draw_prompts``)."""
+    cfg, share, accelerator = run.cfg, run.prompts_per_process, run.accelerator
+    samples, prompts = draw_prompts(
+        run.stream, cfg.train.prompts_per_step, lambda sample: encode_sample(run.policy, sample), run.counters,
+        process_index=accelerator.process_index, num_processes=accelerator.num_processes, exchange=exchange_with(accelerator),
+    )  # fmt: skip
+    first_prompt = accelerator.process_index * share
+    return samples, prompts, sampling_settings(cfg, step, draw * cfg.train.prompts_per_step + first_prompt, share)
+
+
+def encode_sample(policy: Policy, sample) -> EncodedPrompt:
+    """``sample``'s prompt under its task's instruction (ImageLoadError for an image that does not load)."""
+    return encode_prompt(policy, sample, get_task(sample.task).instruction)
+
+
+def exchange_with(accelerator):
+    """``exchange(work)`` for ``draw_prompts``: runs this process's ``work()`` (every process stops if one
+    raises in it, ``survive.together``) and returns every process's result, in process order."""
+
+    def exchange(work):
+        with survive.together(accelerator):
+            result = work()
+        if accelerator.num_processes == 1:
+            return [result]
+        from accelerate.utils import gather_object
+
+        return gather_object([result])
+
+    return exchange
+
+
+def draw_prompts(
+    stream: PromptStream, count: int, encode, counters: Counter, *, process_index: int = 0, num_processes: int = 1,
+    exchange=lambda work: [work()],
+) -> tuple[list, list[EncodedPrompt | None]]:  # fmt: skip
+    """The next ``count`` samples of ``stream`` that encode, and their prompts, of which this process encodes
+    only its share: slots ``process_index * share ..`` (``share = count // num_processes``); the others are None.
+    A broken or missing image is skipped and counted (``skipped_broken_images``), never fatal, and every
+    process skips the same samples: the samples one process would take, whatever the number of processes.
+
+    Rounds: the next ``count - found`` samples of the stream are candidates; candidate ``j`` fills slot
+    ``found + j`` unless an earlier one fails, so the process owning that slot encodes it (each process decodes
+    its own images only). ``exchange`` shares the failures (the only collective: one per round); a sample that
+    an earlier failure moved into another process's share is encoded again by its new owner."""
+    share = count // num_processes
+    mine = range(process_index * share, (process_index + 1) * share)
+    samples: list = []
+    prompts: dict[int, EncodedPrompt] = {}  # slot -> this process's encoded prompt
+    attempts = skipped = 0
+    while len(samples) < count:
+        found, candidates = len(samples), stream.take(count - len(samples))
+        attempts += len(candidates)
+        encoded: dict[int, EncodedPrompt] = {}  # candidate -> its prompt, for the candidates of this share
+        check = functools.partial(encode_candidates, candidates, [found + j in mine for j in range(len(candidates))], encode, encoded)
+        failed = {j: message for part in exchange(check) for j, message in part.items()}
+        counters["skipped_broken_images"] += len(failed)
+        skipped += len(failed)
+        if failed and attempts > 10 * count + 100:
+            raise RuntimeError(f"too many unreadable images in a row; check data.source ({next(iter(failed.values()))})")
+        for j, sample in enumerate(candidates):
+            if j not in failed:
+                if j in encoded and len(samples) in mine:
+                    prompts[len(samples)] = encoded[j]
+                samples.append(sample)
+    if skipped:  # every process knows the failures, so every process takes part (or none does)
+
+        def fill() -> dict:
+            for slot in mine:  # a sample another process checked, moved into this share by a failure before it
+                if slot not in prompts:
+                    prompts[slot] = encode(samples[slot])
+            return {}
+
+        exchange(fill)
+    return samples, [prompts.get(slot) for slot in range(count)]
+
+
+def encode_candidates(candidates: list, is_mine: list[bool], encode, encoded: dict) -> dict[int, str]:
+    """Encode the candidates ``j`` with ``is_mine[j]`` into ``encoded[j]``; returns {j: why} for those that
+    do not load."""
+    failures = {}
+    for j, sample in enumerate(candidates):
+        if is_mine[j]:
+            try:
+                encoded[j] = encode(sample)
+            except ImageLoadError as error:
+                failures[j] = f"skipping sample {sample.id}: {error}"
+                log.warning("%s", failures[j])
+    return failures
+
+
+def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: int) -> SamplingSettings:
+    """How step ``step`` samples prompts ``first_prompt ..`` of the step (a later draw of the step numbers its
+    prompts after the earlier draws'). The randomness is a function of (seed, step, prompt): a resumed run
+    samples the same trees, and so does a run split over processes."""
+    return SamplingSettings(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_thought_tokens=cfg.rollout.max_thought_tokens,
+        max_answer_tokens=cfg.rollout.max_answer_tokens,
+        thought_stop=cfg.rollout.thought_stop,
+        answer_stop=cfg.rollout.answer_stop,
+        generators=prompt_generators(cfg.train.seed * SEED_STRIDE + step, first_prompt, num_prompts),
+    )
+
+
+def step_metrics(
+    run: RunState, rollout: Rollout, scored: ScoredRollout, advantages: tuple, batch: TrainBatch, update: dict,
+    learning_rate: float, seconds: tuple[float, float], step_counts: Counter,
+) -> dict:
+    """The step's figures, averaged over the processes (``distributed.mean_over_processes``). ``seconds``: the
+    step's and its rollout's wall time; ``step_counts``: this step's counters, summed over the processes."""
+    metrics = rollout_metrics(rollout, scored, *advantages, run.tasks)
+    if run.cfg.algorithm.dynamic_sampling:
+        metrics["signal/resampled_prompts"] = step_counts["resampled_prompts"]
+        metrics["signal/uninformative_groups_trained"] = step_counts["uninformative_groups_trained"]
+    metrics.update(update)
+    metrics.update(run.engine.step_metrics())  # vllm: rollout/prefix_cache_hit_rate
+    metrics.update(sharding.state_bytes(run.policy.model, run.optimizer, run.accelerator.process_index, getattr(run.reference, "module", None)))
+    metrics.update(timing_metrics(rollout, batch, *seconds))
+    metrics.update(
+        {
+            "train/learning_rate": learning_rate,
+            "data/epoch": run.stream.epoch,
+            **{f"count/{k}": v for k, v in run.counters.items()},
+        }
+    )
+    return mean_over_processes(run.accelerator, metrics)
+
+
+def evaluate(run: RunState, step: int) -> dict[str, float]:
+    """Held-out evaluation after ``step`` steps (0: before the first); records in ``eval/step-NNNNNN/``."""
+    return evaluate_during_training(run.policy, run.scorer, run.accelerator, run.eval_sets, run.cfg, eval_folder(run, step))
+
+
+def eval_folder(run: RunState, step: int):
+    return run.run_dir / "eval" / f"step-{step:06d}"
+
+
+def save_checkpoint(run: RunState, step: int, completed: dict) -> None:
+    """Checkpoint ``step``: weights, optimizer, scheduler, and ``completed`` (data position, counters and spike
+    history as they were when step ``step`` ended). Collective under FSDP (every process writes its optimizer
+    shard), else written by the main process."""
+    cfg, policy = run.cfg, run.policy
+    if run.fsdp is not None:
+        training_state = {"scheduler": run.scheduler.state_dict(), **completed}
+        sharding.save_checkpoint(
+            run.scorer, policy, run.optimizer, run.run_dir, step, training_state=training_state,
+            keep=cfg.train.keep_checkpoints, is_main=run.accelerator.is_main_process,
+        )  # fmt: skip
+        return
+    if run.accelerator.is_main_process:
+        def write_model(folder) -> None:
+            lora.save_model(policy, folder)
+            policy.processor.save_pretrained(folder)
+
+        ckpt.save_checkpoint(
+            run.run_dir,
+            step,
+            write_model=write_model,
+            training_state={"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), **completed},
+            keep=cfg.train.keep_checkpoints,
+        )
+
+
+def save_on_the_way_out(run: RunState, step: int, guard: UpdateGuard, completed: dict, error: BaseException) -> None:
+    """On a crash, Ctrl-C or SIGTERM: checkpoint the steps done since the last checkpoint, unless the weights
+    belong to no step (an optimiser step of the unfinished step ran) or saving would wait on failed processes
+    (FSDP saves collectively: only after a stop every process made at the same point, survive.together)."""
+    last_saved = ckpt.latest_checkpoint(run.run_dir)
+    if guard.weights_changed:  # an optimiser step of the unfinished step ran: the weights match no step
+        log.error("interrupted while updating step %d: keeping the last checkpoint (%s)", step + 1, last_saved)
+    elif run.fsdp is not None and not getattr(error, "stopped_together", False):
+        log.error("interrupted after step %d: FSDP run stopped on one process only, no checkpoint on the way out "
+                  "(last: %s)", step, last_saved)  # fmt: skip
+    elif step > run.start_step and (last_saved is None or not last_saved.name.endswith(f"{step:06d}")):
+        log.error("interrupted after step %d: saving a checkpoint before exiting", step)
+        save_checkpoint(run, step, completed)
+    if getattr(error, "stopped_together", False):
+        # no process exits before the checkpoint is written: the launcher stops the others when one exits
+        run.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    from vlm_grpo_ma.run.cli import main
+
+    sys.exit(main())

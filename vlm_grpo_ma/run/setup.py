@@ -1,0 +1,286 @@
+"""Everything a run builds before its first step, in order: processes, run directory, data, model, optimizer,
+KL reference, resumed state, logger. ``setup_run`` returns it as a ``RunState``; ``train.train`` runs the loop.
+
+The order is part of the behaviour: the seed is set before the data and the model (LoRA's initial adapters
+draw from it), and a resumed run's RNG state is restored after everything that draws at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlm_grpo_ma.algorithm.diagnostics import GradSpikeMonitor
+from vlm_grpo_ma.engines import check_engine, make_engine
+from vlm_grpo_ma.model import lora
+from vlm_grpo_ma.model.loading import Policy, count_parameters, load_policy
+from vlm_grpo_ma.model.logprobs import CompletionScorer
+from vlm_grpo_ma.run import checkpoint as ckpt
+from vlm_grpo_ma.run import sharding
+from vlm_grpo_ma.run.batch import TrainBatch
+from vlm_grpo_ma.run.config import Config, ConfigError, save_config
+from vlm_grpo_ma.run.distributed import make_accelerator
+from vlm_grpo_ma.run.held_out import load_eval_sets
+from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
+from vlm_grpo_ma.run.rewards import check_reward_overrides
+from vlm_grpo_ma.run.run_dir import checkpoint_to_resume, claim_run_dir
+from vlm_grpo_ma.run.trackers import open_trackers, run_params
+from vlm_grpo_ma.run.update import score_rows
+from vlm_grpo_ma.task_api.registry import Sample, Task, count_load_skips, get_task, import_task_modules
+from vlm_grpo_ma.task_api.streams import PromptStream, TaskMixture
+
+log = logging.getLogger("vlm_grpo_ma.train")
+
+
+@dataclass
+class RunState:
+    """What ``setup_run`` built: the objects the loop uses, and where a resumed run starts. No behaviour of its
+    own beyond ``completed_state``."""
+
+    cfg: Config
+    accelerator: object
+    run_dir: Path
+    tasks: dict[str, Task]
+    stream: PromptStream | TaskMixture
+    eval_sets: dict[str, tuple[Task, list[Sample]]]
+    policy: Policy
+    scorer: torch.nn.Module  # CompletionScorer(policy), DDP-wrapped by accelerate or sharded (FSDP2)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    reference: object  # reference(micro, prompts, accelerator, temperature) -> log-probs, or None without KL
+    fsdp: object  # sharding.launch_settings() under an FSDP2 launch, else None
+    logger: RunLogger
+    counters: Counter
+    spikes: GradSpikeMonitor
+    start_step: int
+    prompts_per_process: int
+    engine: object  # samples the rollouts (vlm_grpo_ma/engines: rollout.engine); holds the policy's weights
+
+    def completed_state(self) -> dict:
+        """The part of a checkpoint that records the steps done: data position, counters, spike history."""
+        return {"data": self.stream.state_dict(), "counters": dict(self.counters), "spikes": self.spikes.state_dict()}
+
+
+def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
+    from accelerate.utils import set_seed
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    accelerator = make_accelerator(cfg)
+    num_processes = accelerator.num_processes
+    check_engine(cfg, num_processes)  # vllm missing or with several processes: stop before anything loads
+    set_seed(cfg.train.seed)
+    run_dir = Path(cfg.train.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir, resume=resume, overwrite=overwrite, delete=accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+
+    with count_load_skips() as load_skips:  # rows dropped at load (an unreadable image), counted below
+        tasks, stream = load_prompt_stream(cfg)
+    eval_sets = load_eval_sets(cfg, tasks)
+
+    last, history_state = checkpoint_to_resume(run_dir, resume)
+    policy = load_training_policy(cfg, last, accelerator.device)
+    start_step = history_state["step"] if history_state is not None else 0
+    scorer = CompletionScorer(policy, share_prefixes=shares_prefixes(cfg))
+    fsdp = sharding.launch_settings() if num_processes > 1 else None
+    if fsdp is not None:  # FSDP2: sharded here, before the optimizer sees the parameters; not DDP-wrapped
+        scorer = sharding.shard(scorer, fsdp, accelerator.device)
+    optimizer = make_optimizer(lora.trainable_parameters(policy.model), cfg)
+    # The scheduler stays out of accelerator.prepare: a prepared scheduler steps once per process at every
+    # step() (N processes: the schedule runs N times too fast). It is stepped once per training step here.
+    scheduler = make_scheduler(optimizer, cfg)
+    if fsdp is None:
+        scorer, optimizer = accelerator.prepare(scorer, optimizer)
+    else:
+        optimizer = accelerator.prepare(optimizer)
+    reference = make_reference(policy, scorer, cfg, accelerator.device, fsdp)
+    engine = make_engine(cfg, policy)  # after a resume's weights are loaded: the engine gets those
+    spikes = GradSpikeMonitor()
+    if history_state is not None:
+        if history_state["optimizer"] == sharding.SHARDED_OPTIMIZER:
+            sharding.load_optimizer(scorer, optimizer, last)
+        else:
+            optimizer.load_state_dict(history_state["optimizer"])
+        scheduler.load_state_dict(history_state["scheduler"])
+        stream.load_state_dict(history_state["data"])
+        ckpt.set_rng_state(history_state["rng"])
+        if "spikes" in history_state:
+            spikes.load_state_dict(history_state["spikes"])
+        log.info("resumed from %s at step %d", last, start_step)
+
+    if accelerator.is_main_process:
+        save_config(cfg, run_dir / "config.yaml")
+        drop_records_after(run_dir, start_step)  # a resumed run logs the steps after its checkpoint again
+        log.info(
+            "model %s (%s, %d parameters, attention %s, coordinate frame %s); tasks %s with %d samples; "
+            "K=%d thoughts x M=%d answers; %d process(es) of %d prompts each",
+            cfg.model.name_or_path,
+            type(policy.model).__name__,
+            count_parameters(policy.model),
+            policy.model.config._attn_implementation,
+            policy.frame.value,
+            ", ".join(f"{name} ({weight:g})" for name, weight in cfg.task_weights.items()),
+            len(stream.samples),
+            cfg.rollout.num_thoughts,
+            cfg.rollout.num_answers,
+            num_processes,
+            cfg.train.prompts_per_step // num_processes,
+        )
+    trackers = open_trackers(  # only the main process logs
+        cfg.logging.report_to if accelerator.is_main_process else [], run_dir, project=cfg.logging.project,
+        run_name=cfg.logging.run_name, tags=cfg.logging.tags, offline=cfg.logging.offline,
+        params=run_params(cfg.to_dict()) if accelerator.is_main_process else {}, start_step=start_step,
+    )  # fmt: skip
+    logger = RunLogger(
+        run_dir,
+        trackers=trackers,
+        progress_bar=cfg.logging.progress_bar and accelerator.is_main_process,
+        total_steps=cfg.train.steps,
+        start_step=start_step,
+        rollout_every=cfg.logging.rollout_every,
+    )
+    counters = Counter(history_state["counters"]) if history_state else Counter()
+    for reason, n in load_skips.items():  # set, not added: a resumed run has loaded (and skipped) them again
+        counters[f"skipped_{reason}_at_load"] = n
+    return RunState(
+        cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
+        policy=policy, scorer=scorer, optimizer=optimizer, scheduler=scheduler, reference=reference, fsdp=fsdp,
+        logger=logger, counters=counters, spikes=spikes, start_step=start_step,
+        prompts_per_process=cfg.train.prompts_per_step // num_processes, engine=engine,
+    )  # fmt: skip
+
+
+def make_optimizer(parameters, cfg: Config) -> torch.optim.Optimizer:
+    if cfg.train.optimizer == "sgd":  # plain SGD: the update is the gradient times the learning rate
+        return torch.optim.SGD(parameters, lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+    return torch.optim.AdamW(
+        parameters, lr=cfg.train.learning_rate, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2), weight_decay=cfg.train.weight_decay
+    )
+
+
+def make_scheduler(optimizer, cfg: Config):
+    """The learning rate of step s (0-based) is learning_rate * factor(s): linear warmup over warmup_steps,
+    then constant, linear decay to 0 at train.steps, or cosine decay."""
+    total, warmup = cfg.train.steps, cfg.train.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        if cfg.train.lr_schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if cfg.train.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def configure_trainable(policy: Policy, cfg: Config) -> None:
+    """LoRA adapters (unless the loaded checkpoint already has them) and the frozen vision tower."""
+    if cfg.model.lora_rank > 0 and policy.adapter is None:
+        name = cfg.model.name_or_path
+        base = name if name == "tiny" or not Path(name).exists() else str(Path(name).resolve())
+        policy.adapter = lora.apply_lora(
+            policy.model,
+            rank=cfg.model.lora_rank,
+            alpha=cfg.model.lora_alpha,
+            dropout=cfg.model.lora_dropout,
+            target_modules=cfg.model.lora_target_modules,
+            base_model_name_or_path=base,
+        )
+    elif cfg.model.lora_rank == 0 and policy.adapter is not None:
+        raise ConfigError("the checkpoint holds a LoRA adapter but model.lora_rank=0; resume with its LoRA settings")
+    if cfg.model.freeze_vision:
+        lora.freeze_vision(policy.model)
+    log.info("trainable: %s", lora.describe_parameters(policy.model))
+
+
+def shares_prefixes(cfg: Config) -> bool:
+    """Training forwards encode each prompt and thought once (through the KV cache) unless gradient
+    checkpointing is on: transformers drops the cache under checkpointing, so those rows are re-encoded."""
+    return not cfg.model.gradient_checkpointing
+
+
+def make_reference(policy: Policy, scorer: torch.nn.Module, cfg: Config, device, fsdp=None):
+    """``reference(micro, prompts, accelerator, temperature)`` -> log-probs of the frozen reference policy (KL
+    term), or None without KL; computed by ``score_rows`` like the trained log-probs. With LoRA the reference
+    is the trained scorer with its adapters switched off (no second copy in memory); otherwise a frozen copy of
+    ``model.name_or_path``, loaded as the policy was, sharded like the policy under FSDP (``fsdp``: its
+    settings) and then ``reference.module``."""
+    if cfg.algorithm.kl_coef == 0:
+        return None
+    if policy.adapter is not None:
+        reference_scorer, switch = scorer, lambda: lora.adapters_disabled(policy)
+    else:
+        frozen = load_model_policy(cfg, cfg.model.name_or_path, device)
+        frozen.model.eval().requires_grad_(False)
+        reference_scorer, switch = CompletionScorer(frozen, share_prefixes=shares_prefixes(cfg)), contextlib.nullcontext
+        if fsdp is not None:
+            reference_scorer = sharding.shard(reference_scorer, fsdp, device, trains=False)
+
+    def reference(micro: TrainBatch, prompts, accelerator, temperature: float) -> torch.Tensor:
+        with torch.no_grad(), switch():
+            return score_rows(reference_scorer, micro, prompts, accelerator, temperature)
+
+    reference.module = None if reference_scorer is scorer else reference_scorer  # a model of its own
+    return reference
+
+
+def load_prompt_stream(cfg: Config) -> tuple[dict[str, Task], PromptStream | TaskMixture]:
+    """The run's tasks and their seeded prompt stream (a TaskMixture when data.tasks mixes several).
+    Raises ConfigError naming the task, split and source when data cannot be loaded."""
+    import_task_modules(cfg.data.task_modules)
+    tasks = {name: get_task(name) for name in cfg.task_weights}
+    try:  # fail now, not mid-run, on an unknown part name
+        check_reward_overrides(list(tasks.values()), cfg.data.reward_weights)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    streams = {}
+    for name, task in tasks.items():
+        source = cfg.task_source(name)
+        try:
+            streams[name] = PromptStream(task.load(cfg.data.split, source), seed=cfg.train.seed)
+        except (FileNotFoundError, ValueError) as error:
+            raise ConfigError(f"data.task={name} data.split={cfg.data.split} data.source={source}: {error}") from error
+    if not cfg.data.tasks:
+        return tasks, streams[cfg.data.task]
+    return tasks, TaskMixture(streams, cfg.data.tasks, seed=cfg.train.seed)
+
+
+def load_model_policy(cfg: Config, model_path: str, device) -> Policy:
+    """A model as ``cfg.model`` says to load it (dtype, attention, image bounds): the trained policy and the
+    frozen KL reference load through here, so they compute alike."""
+    try:
+        return load_policy(
+            model_path,
+            dtype=cfg.model.dtype,
+            attn_implementation=cfg.model.attn_implementation,
+            min_pixels=cfg.model.min_pixels,
+            max_pixels=cfg.model.max_pixels,
+            device=device,
+        )
+    except (FileNotFoundError, ValueError) as error:  # a missing folder, an unsupported model family
+        raise ConfigError(f"model.name_or_path={model_path}: {error}") from error
+
+
+def load_training_policy(cfg: Config, last: Path | None, device) -> Policy:
+    """The policy to train: ``model.name_or_path``, or the model of checkpoint ``last`` when resuming (which
+    may be a LoRA adapter over its base); LoRA and frozen parts configured."""
+    model_path = str(last / "model") if last is not None else cfg.model.name_or_path
+    policy = load_model_policy(cfg, model_path, device)
+    policy.model.train()
+    policy.model.config.use_cache = True
+    if cfg.model.gradient_checkpointing:
+        policy.model.activation_checkpointing_enable()
+    configure_trainable(policy, cfg)
+    return policy
+

@@ -1,0 +1,99 @@
+"""What a training step logs about its rollout (rewards, advantages, tokens), its speed, and the readable
+dump of its first prompts' trees. Plain functions of the step's objects; the update's figures come from
+``update.update_policy``."""
+
+from __future__ import annotations
+
+import torch
+
+from vlm_grpo_ma.algorithm.diagnostics import thought_value_noise, zero_signal_shares
+from vlm_grpo_ma.engines.rollout import Rollout
+from vlm_grpo_ma.run.batch import TrainBatch
+from vlm_grpo_ma.run.rewards import ScoredRollout
+from vlm_grpo_ma.task_api.registry import Task
+
+
+def _nan_mean(values: torch.Tensor) -> float:
+    return float(values[~values.isnan()].mean())
+
+
+def rollout_metrics(
+    rollout: Rollout, scored: ScoredRollout, thought_adv: torch.Tensor, answer_adv: torch.Tensor, tasks: dict[str, Task]
+) -> dict:
+    """Step metrics. Each task's logged parts are averaged over the answers that have them
+    (``reward/iou``); with several tasks every task also gets ``reward/<task>/mean`` and
+    ``reward/<task>/<part>`` over its own prompts of the step."""
+    tree = rollout.tree
+    metrics = {"reward/mean": float(scored.rewards.mean()), "reward/std": float(scored.rewards.std())}
+    logged = {name for task in tasks.values() for name in task.metrics} | {"overlong"}  # + the trainer's shaping
+    part_names = sorted(logged & set(scored.parts))
+    for name in part_names:
+        metrics[f"reward/{name}"] = _nan_mean(scored.parts[name])
+    if len(tasks) > 1:
+        prompt_task = [sample.task for sample in rollout.samples]
+        for task_name, task in tasks.items():
+            rows = torch.tensor([t == task_name for t in prompt_task])
+            if not rows.any():
+                continue
+            metrics[f"reward/{task_name}/mean"] = float(scored.rewards[rows].mean())
+            for name in sorted(set(task.metrics) & set(scored.parts)):
+                metrics[f"reward/{task_name}/{name}"] = _nan_mean(scored.parts[name][rows])
+    per_thought_mean = scored.rewards.mean(-1)  # [B, K]
+    metrics["advantage/thought_reward_spread"] = float(per_thought_mean.std(-1).mean())
+    metrics["advantage/thought_abs_mean"] = float(thought_adv.abs().mean())
+    metrics.update({f"grpo_ma/{k}": v for k, v in thought_value_noise(scored.rewards).items()})
+    metrics.update({f"signal/zero_{k}": v for k, v in zero_signal_shares(scored.rewards, thought_adv, answer_adv).items()})
+    metrics["rollout/thought_tokens"] = sum(map(len, tree.thought_ids)) / len(tree.thought_ids)
+    metrics["rollout/answer_tokens"] = sum(map(len, tree.answer_ids)) / len(tree.answer_ids)
+    metrics["rollout/thought_truncated_rate"] = sum(tree.thought_truncated) / len(tree.thought_truncated)
+    return metrics
+
+
+def timing_metrics(rollout: Rollout, batch: TrainBatch, step_seconds: float, rollout_seconds: float) -> dict:
+    trained_tokens = float(batch.num_trained_tokens())
+    generated_tokens = sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
+    metrics = {
+        "time/step_seconds": step_seconds,
+        "time/rollout_seconds": rollout_seconds,
+        "time/trained_tokens_per_second": trained_tokens / (step_seconds - rollout_seconds),
+        "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
+        "rollout/generated_tokens": generated_tokens,  # this process's, thoughts once + answers
+    }
+    if torch.cuda.is_available():  # a running maximum, in GiB
+        metrics["time/peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return metrics
+
+
+def rollout_records(
+    step: int, rollout: Rollout, scored: ScoredRollout, how_many: int, thought_adv: torch.Tensor | None = None
+) -> list[dict]:
+    """A readable dump of the first ``how_many`` prompts of the step: thought, answers and their rewards, and
+    with ``thought_adv`` ([B, K] or [B, K, M]) each thought's advantage (a number, or its M answers' list)."""
+    records = []
+    for b in range(min(how_many, rollout.num_prompts)):
+        sample = rollout.samples[b]
+        thoughts = []
+        for k in range(rollout.num_thoughts):
+            answers = []
+            for m in range(rollout.num_answers):
+                a = rollout.answer_row(b, k, m)
+                answers.append({"answer": rollout.completions[a].answer, **scored.per_answer_parts[a]})
+            thoughts.append({"thought": rollout.completions[rollout.answer_row(b, k, 0)].thought, "answers": answers})
+            if thought_adv is not None:  # [B, K], or [B, K, M] where an estimator gives each answer its own
+                value = thought_adv[b, k]
+                thoughts[-1]["thought_advantage"] = float(value) if value.dim() == 0 else value.tolist()
+        images = [img if isinstance(img, str) else "<in-memory image>" for img in sample.images]
+        records.append(
+            {"step": step, "task": sample.task, "sample_id": sample.id, "images": images, "question": sample.question,
+             "thoughts": thoughts}
+        )
+    return records
+
+
+def headline_metrics(tasks: dict[str, Task]) -> list[str]:
+    """The metrics the end-of-run summary reports: the mean reward, each task's first logged part and, with
+    several tasks, each task's mean reward."""
+    headline = ["reward/mean"] + [f"reward/{t.metrics[0]}" for t in tasks.values() if t.metrics]
+    if len(tasks) > 1:
+        headline += [f"reward/{name}/mean" for name in tasks]
+    return headline

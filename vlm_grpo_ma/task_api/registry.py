@@ -1,0 +1,254 @@
+"""Samples, completions, tasks, and the task registry.
+
+A task is one module that calls ``register_task(Task(...))`` when imported; task authors import what they
+need from ``vlm_grpo_ma.task_api`` (the public API; this module is its implementation). The core never imports
+a task by name: ``load_builtin_tasks()`` loads every entry point of the group ``vlm_grpo_ma.tasks`` (the
+built-in tasks are this project's own entry points in pyproject.toml; an installed third-party package adds
+its tasks the same way), and ``import_task_modules()`` imports the extra modules and ``.py`` files a config
+names (``data.task_modules``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlm_grpo_ma.task_api.coords import CoordinateFrame, Size, to_original_pixels
+
+ImageRef = Any  # a file path (str) or a PIL.Image.Image
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt: image(s) + question, with the ground truth the reward needs."""
+
+    task: str
+    id: str
+    question: str
+    images: tuple[ImageRef, ...]
+    answer: Any
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled (thought, answer) pair and what a reward needs to read it.
+
+    ``input_sizes`` are the (width, height) of each image as the model saw it (after resizing);
+    ``original_sizes`` those of the files. ``frame`` is the coordinate frame the model writes in.
+    """
+
+    thought: str
+    answer: str
+    frame: CoordinateFrame = CoordinateFrame.ABSOLUTE_INPUT
+    input_sizes: tuple[Size, ...] = ()
+    original_sizes: tuple[Size, ...] = ()
+    thought_truncated: bool = False
+    answer_truncated: bool = False
+
+    @property
+    def text(self) -> str:
+        """The whole generated text, thought then answer, as the model wrote it."""
+        return self.thought + self.answer
+
+    def to_original_pixels(self, values: Sequence[float], image_index: int = 0) -> list[float]:
+        """Model-frame ``[x, y, ...]`` -> pixels of original image ``image_index``."""
+        return to_original_pixels(
+            values, self.frame, self.input_sizes[image_index], self.original_sizes[image_index]
+        )
+
+
+RewardFn = Callable[[Completion, Sample], dict[str, float]]
+LoadFn = Callable[..., list[Sample]]  # load(split: str, source: str | None = None) -> list[Sample]
+ParseFn = Callable[[Completion, Sample], Any]  # the parsed prediction, JSON-serialisable, for evaluation dumps
+DrawFn = Callable[[Any, Sample, Any], Any]  # draw(PIL image, sample, parsed prediction) -> annotated PIL image
+
+
+@dataclass(frozen=True)
+class Task:
+    """``load(split, source)`` gives samples; ``reward(completion, sample)`` gives ``{"reward": r, part: value}``
+    and never raises on malformed model output; ``instruction`` is appended to each question and tells the
+    model the ``<think>...</think><answer>...</answer>`` format; ``metrics`` names the reward parts worth
+    averaging in logs (e.g. ``iou``); ``reward_weights`` are the default weights of the parts in ``"reward"``
+    (a config can override them).
+
+    For evaluation: ``success`` names the 0/1 part that means "correct" (accuracy and pass@k are computed
+    from it, e.g. ``acc_iou50``); ``parse(completion, sample)`` gives the prediction as the reward read it
+    (e.g. the box in original pixels), written to the per-sample dump; ``draw(image, sample, prediction)``
+    returns the image with the prediction and the ground truth drawn on it (tasks with boxes or points)."""
+
+    name: str
+    load: LoadFn
+    reward: RewardFn
+    instruction: str
+    metrics: tuple[str, ...] = ()
+    reward_weights: dict[str, float] = field(default_factory=dict)
+    success: str | None = None
+    parse: ParseFn | None = None
+    draw: DrawFn | None = None
+
+
+def weighted_reward(parts: dict[str, float], weights: dict[str, float]) -> float:
+    """The scalar reward: a weighted sum of named reward parts (weights name the parts that count)."""
+    return float(sum(weights[name] * parts[name] for name in weights))
+
+
+_TASKS: dict[str, Task] = {}
+_SOURCES: dict[str, str] = {}  # task name -> where it was registered from, for the duplicate-name error
+
+# The entry point group the core loads tasks from. The built-in tasks are entries of this project's own
+# pyproject.toml; `pip install -e .` (scripts/setup.sh) writes them into the installed metadata.
+ENTRY_POINT_GROUP = "vlm_grpo_ma.tasks"
+
+_loading_entry_point: str | None = None  # the entry point being loaded, named as the source of its tasks
+
+
+class DuplicateTaskError(ValueError):
+    """Two tasks of one name."""
+
+
+def register_task(task: Task) -> Task:
+    """Add ``task`` to the registry and return it. A second task of the same name raises ValueError naming
+    where each came from (an entry point, or the module that defines the task's reward)."""
+    source = _loading_entry_point or f"module {getattr(task.reward, '__module__', None) or '(unknown)'}"
+    if task.name in _TASKS:
+        raise DuplicateTaskError(
+            f"task {task.name!r} from {source} is already registered by {_SOURCES[task.name]}; "
+            "task names must be unique"
+        )
+    _TASKS[task.name] = task
+    _SOURCES[task.name] = source
+    return task
+
+
+def get_task(name: str) -> Task:
+    load_builtin_tasks()
+    try:
+        return _TASKS[name]
+    except KeyError:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}") from None
+
+
+def list_tasks() -> list[str]:
+    load_builtin_tasks()
+    return sorted(_TASKS)
+
+
+_builtins_loaded = False
+
+
+def load_builtin_tasks() -> None:
+    """Load every entry point of the ``vlm_grpo_ma.tasks`` group once (built-in and installed third-party
+    tasks).
+
+    An entry point ``name = "package.module"`` names a module that registers the task ``name`` when imported;
+    ``name = "package.module:TASK"`` may instead name a ``Task`` object, which is registered here. Raises
+    RuntimeError when the group is empty (the package's metadata is not installed), when an entry point fails
+    to load (naming it and the cause), or when it registers no task of its name; DuplicateTaskError (a
+    ValueError) on a duplicate task name, naming both sources.
+    """
+    global _builtins_loaded, _loading_entry_point
+    if _builtins_loaded:
+        return
+    entry_points = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+    if not entry_points:
+        raise RuntimeError(
+            f"no tasks found: the entry point group {ENTRY_POINT_GROUP!r} is empty, so the vlm-grpo-ma package "
+            "metadata is not installed in this environment; run `pip install -e .` in the repository "
+            "(scripts/setup.sh does), and again after pyproject.toml's entry points change. A stale "
+            "vlm_grpo_ma.egg-info folder in the working directory (left by an older setuptools) hides the "
+            "installed metadata: delete it"
+        )
+    for entry_point in entry_points:
+        dist = entry_point.dist.name if entry_point.dist is not None else "an unknown distribution"
+        described = f"entry point {entry_point.name} = {entry_point.value!r} (group {ENTRY_POINT_GROUP}, {dist})"
+        _loading_entry_point = described
+        try:
+            loaded = entry_point.load()
+        except DuplicateTaskError:
+            raise  # it names both sources already
+        except Exception as error:
+            raise RuntimeError(f"{described} failed to load: {type(error).__name__}: {error}") from error
+        finally:
+            _loading_entry_point = None
+        if isinstance(loaded, Task) and _TASKS.get(loaded.name) is not loaded:
+            _loading_entry_point = described
+            try:
+                register_task(loaded)
+            finally:
+                _loading_entry_point = None
+        if entry_point.name not in _TASKS:
+            raise RuntimeError(
+                f"{described} loaded, but no task named {entry_point.name!r} is registered; the entry point's "
+                "name must be the name of the task its module registers "
+                f"(registered: {', '.join(sorted(_TASKS)) or 'none'})"
+            )
+    _builtins_loaded = True
+
+
+_IMPORTED_MODULES: list[str] = []
+
+
+def imported_task_modules() -> tuple[str, ...]:
+    """Every module ``import_task_modules`` was given in this process, in order (reward worker processes
+    import the same ones, see ``vlm_grpo_ma.reward_pool``)."""
+    return tuple(_IMPORTED_MODULES)
+
+
+def import_task_modules(modules: Sequence[str]) -> None:
+    """Import out-of-tree task modules: dotted module names or paths to ``.py`` files."""
+    for module in modules:
+        _import_task_module(module)
+        recorded = str(Path(module).resolve()) if module.endswith(".py") else module
+        if recorded not in _IMPORTED_MODULES:
+            _IMPORTED_MODULES.append(recorded)
+
+
+def _import_task_module(module: str) -> None:
+    if module.endswith(".py"):
+        path = Path(module).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"task module file not found: {path}")
+        name = f"user_task_{path.stem}"
+        if name in sys.modules:
+            return
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    else:
+        importlib.import_module(module)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rows a loader skipped (an unreadable image): skipped, logged and counted, never fatal
+
+_load_skips: list[Counter] = []  # the open count_load_skips() scopes, innermost last
+
+
+def skip_row(reason: str, where: str, error: Exception | str) -> None:
+    """Called by a task loader that drops a row (``reason`` e.g. "broken_images"): logs it and counts it in
+    every open ``count_load_skips()`` scope."""
+    logging.getLogger("vlm_grpo_ma.data").warning("skipping %s: %s", where, error)
+    for counts in _load_skips:
+        counts[reason] += 1
+
+
+@contextlib.contextmanager
+def count_load_skips():
+    """``with count_load_skips() as skipped: task.load(...)`` -> ``skipped["broken_images"]`` rows dropped."""
+    counts = Counter()
+    _load_skips.append(counts)
+    try:
+        yield counts
+    finally:
+        _load_skips.remove(counts)

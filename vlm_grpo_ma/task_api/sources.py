@@ -1,0 +1,154 @@
+"""Reading a task's data: checked source files, the embedded splits, rows of JSONL, JSON, parquet and folders
+(``read_rows``), schema detection, and rows to samples with their images kept as paths or bytes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from vlm_grpo_ma.task_api.images import ImageLoadError, open_lazily
+from vlm_grpo_ma.task_api.registry import Sample, skip_row
+
+
+def checked_source_file(source: str, task: str, suffixes: Sequence[str], *, folders: bool = False) -> Path:
+    """``source`` as a Path, after checking that its suffix is one the task reads (ValueError naming the
+    valid ones; ``folders=True``: the message says a folder is valid too, for a task that has checked for one
+    already) and that the file exists (FileNotFoundError)."""
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if suffix not in suffixes:
+        valid = f": a folder or a file ending in {', '.join(suffixes)}" if folders else f" suffixes: {', '.join(suffixes)}"
+        raise ValueError(f"unknown {task} source format {suffix or '(no suffix)'!r} for {source!r}; valid{valid}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{task} source file not found: {path}")
+    return path
+
+
+def embedded_split_file(task: str, split: str, splits: Sequence[str], folder: Path, make: str) -> Path:
+    """``folder/{split}.jsonl``, a task's own data file for ``split``, after checking that ``split`` is one of
+    ``splits`` (ValueError naming them) and that the file exists (FileNotFoundError saying to run ``make``, the
+    command that generates it)."""
+    if split not in splits:
+        raise ValueError(f"unknown {task} split {split!r}; embedded splits: {', '.join(splits)}")
+    path = Path(folder) / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"embedded {task} split missing: {path}; run `{make}`")
+    return path
+
+
+def require_keys(row: dict, keys: Sequence[str], where: str) -> None:
+    """Raise ValueError naming ``where``, the missing keys and all required keys."""
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(missing)}; required: {', '.join(keys)}")
+
+
+def image_from_cell(cell: Any, root: Path, where: str) -> Any | None:
+    """A path string, a Hugging Face image cell {"bytes", "path"} or None -> path str, lazy PIL image or None.
+
+    ``Image.open`` on bytes reads only the header; pixels are decoded when the policy first uses the image.
+    """
+    if cell is None or cell == "":
+        return None
+    if isinstance(cell, str):
+        return str((root / cell).resolve())
+    if isinstance(cell, dict):
+        if cell.get("bytes"):
+            return open_lazily(cell["bytes"], where)  # ImageLoadError: the loader skips the row
+        if cell.get("path"):
+            return str((root / cell["path"]).resolve())
+        return None
+    raise ValueError(f"{where}: an image is a path or a {{'bytes', 'path'}} cell, got {type(cell).__name__}")
+
+
+def jsonl_rows(path: Path, raw: bytes | None = None) -> list[tuple[str, Any]]:
+    """``[(where, value)]`` for the non-blank lines of a JSONL file (``raw``: its bytes, e.g. un-gzipped),
+    with ``where = "file:line"``. Lines are split on "\\n" only and numbered as an editor numbers them: a text-mode
+    read would also split on a lone "\\r" (JSON whitespace) and shift every later number. A line that is not
+    UTF-8 or not JSON raises ValueError naming the file, line and column (json's own "line 1" would
+    refer to the line alone)."""
+    path = Path(path)
+    raw = path.read_bytes() if raw is None else raw
+    rows = []
+    for line_number, line in enumerate(raw.split(b"\n"), start=1):
+        where = f"{path}:{line_number}"
+        try:
+            text = line.decode("utf-8-sig" if line_number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            reason = f"{error.reason} at column {error.start + 1}"
+            raise ValueError(f"{where}: not UTF-8 text ({reason})") from None
+        if not text.strip():
+            continue
+        try:
+            rows.append((where, json.loads(text)))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
+    return rows
+
+
+def read_rows(path: Path) -> list[tuple[str | None, str, Any]]:
+    """``[(key or None, where, row)]`` from a file's rows: JSONL lines, a JSON list, a JSON dict of rows keyed
+    by id (key = that id), or parquet (chosen by suffix). ``where`` names the row in error messages
+    (``file:line`` for JSONL)."""
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path).to_pylist()
+        return [(None, f"{path}: row {index}", row) for index, row in enumerate(table)]
+    if path.suffix.lower() == ".jsonl":
+        return [(None, where, row) for where, row in jsonl_rows(path)]
+    raw = path.read_bytes()
+    try:
+        data = json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}:{error.lineno}: not JSON ({error.msg} at column {error.colno})") from None
+    if isinstance(data, list):
+        return [(None, f"{path}: row {index}", row) for index, row in enumerate(data)]
+    if isinstance(data, dict) and data and all(isinstance(row, dict) for row in data.values()):
+        return [(str(key), f"{path}: {key!r}", row) for key, row in data.items()]
+    raise ValueError(f"{path}: a JSON file of rows is a list of rows or a dict of rows keyed by id, got {type(data).__name__}")
+
+
+def rows_to_samples(
+    rows: Sequence[tuple[str | None, str, Any]], make_sample: Callable[[dict, str, str], Sample | None], path: Path
+) -> list[Sample]:
+    """``make_sample(row, sample_id, where)`` for every ``(key, where, row)`` of ``read_rows(path)``, in order.
+
+    The sample id is the row's key, or ``{file stem}_{index}``. A row that is not a JSON object is a ValueError
+    naming it; a row whose image cannot be decoded (``ImageLoadError``) is skipped and counted (``skip_row``); a
+    ``None`` from ``make_sample`` (a row the task does not use) is dropped."""
+    samples = []
+    for index, (key, where, row) in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+        try:
+            sample = make_sample(row, key if key is not None else f"{Path(path).stem}_{index}", where)
+        except ImageLoadError as error:  # unreadable image bytes: skipped and counted, not fatal
+            skip_row("broken_images", where, error)
+            continue
+        if sample is not None:
+            samples.append(sample)
+    return samples
+
+
+def detect_schema(rows: Sequence[tuple[str | None, str, Any]], path: Path, schemas: dict[str, Sequence[str]], task: str) -> str:
+    """The first schema whose columns the first row has; ValueError naming the columns found and needed."""
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    first = rows[0][2]
+    if not isinstance(first, dict):
+        raise ValueError(f"{path}: rows must be JSON objects, got {type(first).__name__}")
+    for schema, columns in schemas.items():
+        if all(column in first for column in columns):
+            return schema
+    described = "; ".join(f"{name}: {', '.join(columns)}" for name, columns in schemas.items())
+    raise ValueError(
+        f"{path}: unrecognised {task} columns {', '.join(sorted(map(str, first))) or '(none)'}; "
+        f"each schema needs these columns: {described}"
+    )

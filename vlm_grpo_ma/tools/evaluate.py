@@ -1,0 +1,233 @@
+"""Score models on benchmarks side by side: ``python -m vlm_grpo_ma.evaluate --models tiny runs/NAME``.
+
+A model is ``tiny`` (the embedded default), a run directory (its latest checkpoint, or ``--step N``), a
+checkpoint folder (``.../checkpoints/step-NNNNNN``), or a Hugging Face id / local model folder. Each task is
+scored on its embedded held-out split or on a benchmark file (``--source TASK=FILE``, any format the task
+loads: RefCOCO parquet, ScienceQA, HumanEval ...), with the same parsers and rewards as training.
+
+Decoding is greedy by default; ``--samples N`` samples N answers per prompt (each from its own thought) at
+``--temperature`` and reports pass@k with the unbiased estimator. Per sample, the records go to a JSONL as
+they are made, so an interrupted evaluation resumes where it stopped when the same command is run again.
+
+Outputs under ``--output-dir``: ``<model>/<task>-<split>/samples.jsonl`` (id, thought, answer, parsed
+prediction, reward parts), ``.../draw/*.png`` (prediction in red, truth in green, for tasks that draw),
+``results.json`` and ``results.md`` (one column per model). Training calls ``evaluate_task`` (the same code)
+every ``train.eval_every`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from vlm_grpo_ma.model.loading import Policy, load_policy
+from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
+from vlm_grpo_ma.run import checkpoint as ckpt
+from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
+from vlm_grpo_ma.task_api.registry import get_task, import_task_modules
+
+log = logging.getLogger("vlm_grpo_ma.evaluate")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Models and the command line
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    label: str  # column name in the results
+    path: str  # what load_policy gets
+
+
+def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
+    """``tiny``, a run directory (latest checkpoint or ``step``), a checkpoint folder, or a model id/folder."""
+    if spec == TINY_MODEL_NAME:
+        return ModelSpec("tiny", spec)
+    path = Path(spec)
+    if (path / "checkpoints").is_dir():
+        found = ckpt.list_checkpoints(path)
+        if step is not None:
+            found = [c for c in found if c.name == ckpt.checkpoint_dir(path, step).name]
+            if not found:
+                steps = ", ".join(c.name for c in ckpt.list_checkpoints(path)) or "none"
+                raise FileNotFoundError(f"run {path} has no checkpoint for --step {step}; it has: {steps}")
+        if not found:
+            raise FileNotFoundError(f"run {path} has no checkpoint yet (checkpoints/ is empty)")
+        return ModelSpec(f"{path.resolve().name}@{found[-1].name}", str(found[-1] / "model"))
+    if (path / "model").is_dir() and (path / "state.pt").is_file():  # one checkpoint folder
+        return ModelSpec(f"{path.resolve().parent.parent.name}@{path.name}", str(path / "model"))
+    if path.exists():
+        return ModelSpec(path.resolve().name, str(path))
+    return ModelSpec(spec.replace("/", "__"), spec)  # a hub id: load_policy says if it cannot be found
+
+
+def _task_sources(pairs: Sequence[str], tasks: Sequence[str]) -> dict[str, str]:
+    sources = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--source {pair!r} must look like TASK=FILE (e.g. grounding=refcoco_val.parquet)")
+        name, file = pair.split("=", 1)
+        if name not in tasks:
+            raise ValueError(f"--source names task {name!r}, which is not in --tasks {', '.join(tasks)}")
+        sources[name] = file
+    return sources
+
+
+def _benchmark_name(split: str, source: str | None) -> str:
+    return Path(source).name.split(".")[0] if source else split
+
+
+def results_table(results: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Markdown: one row per (benchmark, metric), one column per model, and the last minus the first model."""
+    models = list(results)
+    benchmarks = list(dict.fromkeys(b for m in models for b in results[m]))
+    header = ["benchmark", "metric", *models] + (["change"] if len(models) > 1 else [])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for bench in benchmarks:
+        names = list(dict.fromkeys(k for m in models for k in results[m].get(bench, {})))
+        for name in names:
+            values = [results[m].get(bench, {}).get(name) for m in models]
+            cells = [bench, name] + ["" if v is None else _fmt(name, v) for v in values]
+            if len(models) > 1:
+                first, last = values[0], values[-1]
+                change = None if first is None or last is None else last - first
+                cells.append("" if change is None else f"{int(change):+d}" if name in COUNTS else f"{change:+.3f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+COUNTS = ("prompts", "answers")
+
+
+def _fmt(name: str, value: float) -> str:
+    return str(int(value)) if name in COUNTS else f"{value:.3f}"
+
+
+def evaluate_models(
+    models: Sequence[ModelSpec],
+    task_names: Sequence[str],
+    *,
+    split: str,
+    sources: dict[str, str],
+    settings: EvalSettings,
+    output_dir: Path,
+    limit: int | None,
+    batch_size: int,
+    draw: int,
+    dtype: str = "float32",
+    progress: bool = True,
+    load: Callable[..., Policy] = load_policy,
+) -> dict:
+    """Score every model on every task; write the outputs described in the module docstring."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    data = {}
+    for name in task_names:
+        task = get_task(name)
+        samples = task.load(split, sources.get(name))
+        data[name] = (task, samples[:limit] if limit else samples)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for model in models:
+        policy = load(model.path, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+        results[model.label] = {}
+        for name, (task, samples) in data.items():
+            bench = f"{name}-{_benchmark_name(split, sources.get(name))}"
+            folder = output_dir / model.label / bench
+            folder.mkdir(parents=True, exist_ok=True)
+            _check_settings(folder / "settings.json", settings, model, len(samples))
+            metrics, records = evaluate_task(
+                policy, task, samples, settings, batch_size=batch_size, records_path=folder / "samples.jsonl",
+                progress=progress, description=f"{model.label} {bench}",
+            )
+            draw_predictions(task, samples, records, folder / "draw", draw)
+            results[model.label][bench] = metrics
+            log.info("%s %s: %s", model.label, bench, json.dumps(metrics))
+        del policy
+    payload = {"settings": asdict(settings), "models": {m.label: m.path for m in models}, "results": results}
+    (output_dir / "results.json").write_text(json.dumps(payload, indent=2))
+    table = results_table(results)
+    (output_dir / "results.md").write_text(table)
+    return payload
+
+
+def _check_settings(path: Path, settings: EvalSettings, model: ModelSpec, num_samples: int) -> None:
+    """Resuming is only sound with the same model and settings: refuse otherwise."""
+    identity = {"model": model.path, "settings": asdict(settings)}
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved != identity:
+            raise ValueError(
+                f"{path.parent} holds an evaluation with other settings ({saved}); this one is {identity}. "
+                "Use another --output-dir, or delete that folder to start it again"
+            )
+    else:
+        path.write_text(json.dumps(identity, indent=2))
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_grpo_ma.evaluate",
+        description="Score models (the embedded default, run directories, checkpoints, model ids or folders) "
+        "on task benchmarks with the training rewards; writes results.json, results.md, per-sample JSONL and "
+        "drawings. Re-running the same command resumes an interrupted evaluation.",
+    )
+    parser.add_argument("--models", nargs="+", default=[TINY_MODEL_NAME], help="models to compare (default: tiny)")
+    parser.add_argument("--step", type=int, help="checkpoint step for run directories (default: their latest)")
+    parser.add_argument("--tasks", nargs="+", default=["grounding"], help="task names (default: grounding)")
+    parser.add_argument("--split", default="test", help="embedded split for tasks without --source (default: test)")
+    parser.add_argument("--source", action="append", default=[], metavar="TASK=FILE", help="a benchmark file for a task")
+    parser.add_argument("--task-module", action="append", default=[], help="extra task module (dotted name or .py)")
+    parser.add_argument("--samples", type=int, default=1, help="answers per prompt; 1 = greedy (default), >1 = pass@k")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature when --samples > 1")
+    parser.add_argument("--max-thought-tokens", type=int, default=40)
+    parser.add_argument("--max-answer-tokens", type=int, default=24)
+    parser.add_argument("--limit", type=int, help="score only the first N samples of each benchmark")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draw", type=int, default=8, help="images to draw per model and task (default 8)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--output-dir", default="evals/latest", help="where results go (default: evals/latest)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        for value, name in ((args.limit, "--limit"), (args.batch_size, "--batch-size")):
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        settings = EvalSettings(
+            samples=args.samples, temperature=args.temperature, max_thought_tokens=args.max_thought_tokens,
+            max_answer_tokens=args.max_answer_tokens, seed=args.seed,
+        )
+        import_task_modules(args.task_module)
+        for name in args.tasks:
+            get_task(name)
+        sources = _task_sources(args.source, args.tasks)
+        models = [resolve_model(spec, args.step) for spec in args.models]
+        payload = evaluate_models(
+            models, args.tasks, split=args.split, sources=sources, settings=settings,
+            output_dir=Path(args.output_dir), limit=args.limit, batch_size=args.batch_size, draw=args.draw,
+            dtype=args.dtype, progress=not args.no_progress,
+        )
+    except (ValueError, KeyError, OSError) as error:  # bad arguments, unknown task, missing file or model
+        print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
+        return 2
+    print(results_table(payload["results"]), end="")
+    print(f"results: {Path(args.output_dir) / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,447 @@
+"""Supervised warm start of the embedded tiny model: ``python -m vlm_grpo_ma.warmstart [--task counting]``.
+
+Two phases, both on scenes drawn fresh at every step from the embedded data's own generator
+(``data/make_grounding.py``; with ``--task counting``, the picture problems of ``data/make_math.py``), seeded
+apart from the committed train and test splits, so a 1.1M-parameter model sees tens of thousands of distinct
+scenes and cannot memorise a few thousand:
+
+1. **Vision.** The vision tower and patch merger of a randomly initialised model (``vlm_grpo_ma.tiny``) learn,
+   through small linear heads on each merged image token that are thrown away afterwards, what is under that
+   token: its grid place, whether an object covers it, that object's colour, shape and box. A tower trained
+   only through the decoder's loss collapsed to near-constant features; a frozen random one encodes the
+   token's place but barely its content.
+   Counting adds a head for the number of object centres under each token (two small shapes can share one).
+2. **Decoder.** With the tower frozen, the language model learns to write
+   ``<think>{reference thought}</think><answer>[x1,y1,x2,y2]</answer>`` (the box in the model's coordinate
+   frame, converted by ``coords.from_original_pixels``: the single conversion rewards use in reverse); for
+   counting, ``<think>{the inventory and the sum}</think><answer>{number}</answer>``.
+
+Every ``--eval-every`` steps it prints greedy held-out metrics on generated scenes (a third seed, true labels;
+the committed test split is left for evaluation).
+
+The three committed models (``vlm_grpo_ma.tiny``) were made by this script, each with ``--threads 1`` on this
+project's 2-core CPU machine:
+
+- ``vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact``: the defaults (about 90 minutes). It stops before convergence on
+  purpose.
+- ``vlm_grpo_ma/assets/tiny-qwen2.5-vl`` (``model.name_or_path: tiny``, where the RL run starts): the exact
+  model, fine-tuned on **loose boxes**, ``--init vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact --vision-steps 0
+  --decoder-steps 150 --box-margin 10 --out vlm_grpo_ma/assets/tiny-qwen2.5-vl`` (a few minutes): every label
+  box grown by 10 pixels a side (clipped to the image), thoughts unchanged; re-running it re-makes the
+  committed weights to the byte. Loose boxes are a common flaw of real annotations. The model learns to draw
+  boxes about 1.6 times the true size; the IoU reward pays for the true box, so RL has a real, measurable error
+  to correct on scenes it never saw, rather than only sharpening what greedy decoding already does.
+- ``vlm_grpo_ma/assets/tiny-qwen2.5-vl-count`` (``configs/tiny-counting.yaml``, the study's long-thought
+  regime): the exact model's tower and decoder, trained on counting pictures with **arithmetic slips**,
+  ``--task counting --init vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact --vision-steps 400 --decoder-steps 300
+  --slip-rate 0.6 --max-thought-tokens 64 --out vlm_grpo_ma/assets/tiny-qwen2.5-vl-count`` (about 6
+  minutes): 60% of the ``sum`` and ``add`` labels end their thought one short ("1 + 1 = 1") and answer that.
+  The model writes such thoughts and answers what they say: held-out greedy accuracy 0.25 on generated
+  pictures (0.42 without slips, same command with ``--slip-rate 0``), a flaw in the reasoning that a
+  correctness reward can pay to remove.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vlm_grpo_ma.model.loading import Policy, load_policy
+from vlm_grpo_ma.model.logprobs import sequence_logprobs
+from vlm_grpo_ma.model.lora import freeze_vision, trainable_parameters, vision_tower
+from vlm_grpo_ma.model.prompts import encode_prompt
+from vlm_grpo_ma.model.tiny import TINY_COUNT_MODEL_DIR, TINY_EXACT_MODEL_DIR, build_untrained
+from vlm_grpo_ma.run.evaluation import EvalSettings
+from vlm_grpo_ma.task_api.coords import from_original_pixels
+from vlm_grpo_ma.task_api.registry import Sample, get_task
+
+DATA_SCRIPTS = Path(__file__).resolve().parents[1] / "data"
+# Scene seeds: the committed grounding splits use 20240101 (train) and 20240202 (test), the math splits
+# 20240505 and 20240606, the counting splits 20240707 and 20240808.
+VISION_SEED, DECODER_SEED, HELD_OUT_SEED = 31, 32, 33
+
+
+@functools.cache
+def load_generator(name: str):
+    """``data/{name}.py`` as a module (a script of the checkout, not part of the package), loaded once:
+    every stream and every label shares its classes and vocabularies."""
+    path = DATA_SCRIPTS / f"{name}.py"
+    if not path.is_file():
+        raise FileNotFoundError(f"the warm start needs the scene generator {path} (run it from a checkout)")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_scene_generator():
+    """The grounding scene generator, ``data/make_grounding.py``."""
+    return load_generator("make_grounding")
+
+
+@dataclass(frozen=True)
+class Scene:
+    sample: Sample
+    objects: tuple  # make_grounding.SceneObject, in the scene's order
+
+
+class SceneStream:
+    """Fresh generated grounding scenes, as Samples the grounding task scores, reproducible from ``seed``."""
+
+    def __init__(self, seed: int):
+        # The grounding task writes the question ("Locate: <expression>."); its module is reached through the
+        # registry, so the core imports no task by name.
+        grounding = sys.modules[get_task("grounding").reward.__module__]
+
+        self._generator = load_scene_generator()
+        self._question_for = grounding.question_for
+        self._rng = random.Random(seed)
+        self._seed = seed
+        self._count = 0
+
+    def take(self, n: int) -> list[Scene]:
+        scenes = []
+        size = self._generator.IMAGE_SIZE
+        for _ in range(n):
+            image, objects, target_index, expression = self._generator.make_scene(self._rng)
+            target = objects[target_index]
+            sample = Sample(
+                task="grounding",
+                id=f"generated-{self._seed}-{self._count}",
+                question=self._question_for(expression),
+                images=(image,),
+                answer=[float(v) for v in target.box],
+                meta={"width": size, "height": size, "reference_thought": self._generator.reference_thought(target, size, size)},
+            )
+            scenes.append(Scene(sample, tuple(objects)))
+            self._count += 1
+        return scenes
+
+
+class CountingStream:
+    """Fresh counting pictures from the math data's generator (``data/make_math.py``: its picture kinds
+    only, so every answer is read off the image), as Samples the math task scores.
+
+    ``slip_rate``: the share of ``sum`` and ``add`` problems whose label carries an arithmetic slip, the last
+    step of the thought and the answer one less than the truth ("2 + 3 = 4", answer 4). A model that learns
+    from such labels writes a wrong sum in its thought, then answers what its thought says: a flaw of the
+    reasoning, not of the answer, which RL with a correctness reward can find and fix (the counting regime's
+    counterpart of the grounding warm start's loose boxes). The slips are drawn apart from the scenes, so
+    any rate gives the same pictures and questions."""
+
+    SLIPPED_KINDS = ("sum", "add")
+
+    def __init__(self, seed: int, slip_rate: float = 0.0):
+        self._generator = load_generator("make_math")
+        self._rng = random.Random(seed)
+        self._slips = random.Random(seed + 1_000_003)
+        self._slip_rate = slip_rate
+        self._seed = seed
+        self._count = 0
+
+    def take(self, n: int) -> list[Scene]:
+        scenes = []
+        for _ in range(n):
+            image, objects = self._generator.make_scene(self._rng)
+            question, answer, thought, program = self._generator.image_problem(self._rng, objects)
+            if program["kind"] in self.SLIPPED_KINDS and self._slips.random() < self._slip_rate:
+                thought, answer = slipped(thought, answer)
+            sample = Sample(
+                task="math",
+                id=f"generated-{self._seed}-{self._count}",
+                question=question,
+                images=(image,),
+                answer=str(answer),
+                meta={"source": "project", "precision": None, "reference_thought": thought},
+            )
+            scenes.append(Scene(sample, tuple(SceneObject(o["shape"], o["colour"], tuple(o["box"])) for o in objects)))
+            self._count += 1
+        return scenes
+
+
+def slipped(thought: str, answer: int) -> tuple[str, int]:
+    """A thought ending "... = {answer}." and its answer, with the result one less."""
+    ending = f"= {answer}."
+    if not thought.endswith(ending):
+        raise ValueError(f"a slipped thought must end with {ending!r}, got {thought!r}")
+    return thought[: -len(ending)] + f"= {answer - 1}.", answer - 1
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    """What the vision targets read of an object (the math generator writes its objects as dicts)."""
+
+    shape: str
+    colour: str
+    box: tuple
+
+
+# What each --task warm-starts: the stream of generated scenes and the registered task that scores them.
+STREAMS = {"grounding": SceneStream, "counting": CountingStream}
+SCORED_BY = {"grounding": "grounding", "counting": "math"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Phase 1: the vision tower
+
+
+COVERED = 0.1  # a token "has" an object when the object's box covers more than this fraction of it
+
+
+def scene_vocabulary() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(colour names, shape names) of the scene generator, in its order: the heads' class indices."""
+    generator = load_scene_generator()
+    return tuple(generator.COLOURS), tuple(generator.SHAPES)
+
+
+def token_targets(objects, grid_side: int, image_side: int) -> dict[str, torch.Tensor]:
+    """What each merged token (row-major over a ``grid_side`` x ``grid_side`` grid) should encode: its grid
+    place (0..1), whether an object's box covers it, and that object's colour, shape and box (0..1), the
+    object covering the most of the token winning; and how many objects have their box centre in it (two
+    small objects can share a token, which counting must see)."""
+    colours, shapes = scene_vocabulary()
+    cell = image_side / grid_side
+    tokens = grid_side * grid_side
+    place = torch.zeros(tokens, 2)
+    covered = torch.zeros(tokens, dtype=torch.bool)
+    colour = torch.zeros(tokens, dtype=torch.long)
+    shape = torch.zeros(tokens, dtype=torch.long)
+    box = torch.zeros(tokens, 4)
+    centres = torch.zeros(tokens)
+    for obj in objects:
+        x, y = (obj.box[0] + obj.box[2]) / 2, (obj.box[1] + obj.box[3]) / 2
+        row, col = min(int(y // cell), grid_side - 1), min(int(x // cell), grid_side - 1)
+        centres[row * grid_side + col] += 1
+    for row in range(grid_side):
+        for col in range(grid_side):
+            k = row * grid_side + col
+            place[k] = torch.tensor([row, col]) / max(grid_side - 1, 1)
+            x0, y0, x1, y1 = col * cell, row * cell, (col + 1) * cell, (row + 1) * cell
+            best, best_object = COVERED, None
+            for obj in objects:
+                b = obj.box
+                overlap = max(0, min(x1, b[2]) - max(x0, b[0])) * max(0, min(y1, b[3]) - max(y0, b[1])) / cell**2
+                if overlap > best:
+                    best, best_object = overlap, obj
+            if best_object is not None:
+                covered[k] = True
+                colour[k] = colours.index(best_object.colour)
+                shape[k] = shapes.index(best_object.shape)
+                box[k] = torch.tensor(best_object.box, dtype=torch.float32) / image_side
+    return {"place": place, "covered": covered, "colour": colour, "shape": shape, "box": box, "centres": centres}
+
+
+class TokenHeads(torch.nn.Module):
+    """Linear read-outs of a merged image token, used only to train the tower. ``count_centres`` adds a head
+    for the number of object centres in the token (the counting warm start; the grounding one was made
+    without it)."""
+
+    def __init__(self, width: int, *, count_centres: bool = False):
+        super().__init__()
+        colours, shapes = scene_vocabulary()
+        self.place = torch.nn.Linear(width, 2)
+        self.covered = torch.nn.Linear(width, 1)
+        self.colour = torch.nn.Linear(width, len(colours))
+        self.shape = torch.nn.Linear(width, len(shapes))
+        self.box = torch.nn.Linear(width, 4)
+        self.centres = torch.nn.Linear(width, 1) if count_centres else None
+
+    def loss(self, features: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Regression terms are scaled by 10 so that they weigh about as much as the classification terms."""
+        f = torch.nn.functional
+        covered = targets["covered"]
+        on_object = features[covered]
+        loss = (
+            10 * f.mse_loss(self.place(features), targets["place"])
+            + f.binary_cross_entropy_with_logits(self.covered(features)[..., 0], covered.float())
+            + f.cross_entropy(self.colour(on_object), targets["colour"][covered])
+            + f.cross_entropy(self.shape(on_object), targets["shape"][covered])
+            + 10 * f.mse_loss(self.box(on_object), targets["box"][covered])
+        )
+        if self.centres is not None:
+            loss = loss + f.mse_loss(self.centres(features)[..., 0], targets["centres"])
+        return loss
+
+
+def vision_step(policy: Policy, heads: TokenHeads, scenes: list[Scene]) -> torch.Tensor:
+    images = [scene.sample.images[0] for scene in scenes]
+    encoded = policy.processor.image_processor(images=images, return_tensors="pt")
+    grid = encoded["image_grid_thw"]
+    merge = policy.model.config.vision_config.spatial_merge_size
+    rows, cols = int(grid[0, 1]) // merge, int(grid[0, 2]) // merge
+    if rows != cols or not bool((grid == grid[0]).all()):
+        raise ValueError(f"the vision warm start expects square scenes of one size, got grids {grid.tolist()}")
+    output = policy.model.model.get_image_features(encoded["pixel_values"], grid, return_dict=True)
+    features = torch.stack(list(output.pooler_output))  # [scenes, tokens, width]
+    side = images[0].size[0]
+    per_scene = [token_targets(scene.objects, rows, side) for scene in scenes]
+    targets = {key: torch.stack([t[key] for t in per_scene]) for key in per_scene[0]}
+    return heads.loss(features, targets)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Phase 2: the decoder
+
+
+def loosened(box, margin: float, width: int, height: int) -> list[float]:
+    """``box`` grown by ``margin`` pixels on every side and clipped to the image: a loose annotation."""
+    x1, y1, x2, y2 = box
+    return [max(0.0, x1 - margin), max(0.0, y1 - margin), min(float(width), x2 + margin), min(float(height), y2 + margin)]
+
+
+def target_text(policy: Policy, sample: Sample, input_size, original_size, box_margin: float = 0.0) -> str:
+    """The supervised completion: the reference thought, then the answer (a grounding box in the model's
+    frame, loosened by ``box_margin``; any other task's answer as written)."""
+    if sample.task != "grounding":
+        return f"<think>{sample.meta['reference_thought']}</think><answer>{sample.answer}</answer>"
+    label = loosened(sample.answer, box_margin, sample.meta["width"], sample.meta["height"]) if box_margin else sample.answer
+    box = from_original_pixels(label, policy.frame, input_size, original_size)
+    coords = ",".join(str(round(v)) for v in box)
+    return f"<think>{sample.meta['reference_thought']}</think><answer>[{coords}]</answer>"
+
+
+def supervised_step(policy: Policy, samples: list[Sample], instruction: str, box_margin: float = 0.0) -> torch.Tensor:
+    prompts = [encode_prompt(policy, s, instruction) for s in samples]
+    eos = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    targets = [
+        policy.tokenizer.encode(
+            target_text(policy, s, p.input_sizes[0], p.original_sizes[0], box_margin), add_special_tokens=False
+        )
+        + [eos]
+        for s, p in zip(samples, prompts, strict=True)
+    ]
+    logprobs = sequence_logprobs(policy, prompts, list(range(len(samples))), targets, temperature=1.0)
+    return -logprobs.sum() / sum(len(t) for t in targets)
+
+
+def held_out_report(policy: Policy, samples: list[Sample], settings: EvalSettings | None = None, snapshot: Path | None = None) -> str:
+    """Greedy held-out metrics as a line; with ``snapshot`` the model is also saved there."""
+    from vlm_grpo_ma.run.evaluation import evaluate_task
+
+    if snapshot is not None:
+        policy.model.save_pretrained(snapshot)
+        policy.processor.save_pretrained(snapshot)
+    was_training = policy.model.training
+    policy.model.eval()
+    with torch.no_grad():
+        metrics, _ = evaluate_task(policy, get_task(samples[0].task), samples, settings or EvalSettings(), progress=False)
+    policy.model.train(was_training)
+    return " ".join(f"{k} {metrics[k]:.3f}" for k in ("reward", "iou", "format", "accuracy") if k in metrics)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _train(parameters, steps: int, learning_rate: float, step_loss, *, label: str, report=None, report_every: int = 0):
+    """AdamW with a 20-step warm-up then a linear decay to a tenth; gradients clipped at 1. ``report`` is
+    called every ``report_every`` steps and printed."""
+    parameters = list(parameters)
+    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / max(steps, 1))
+    )
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        loss = step_loss()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 25 == 0 or step == steps:
+            print(f"{label} step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - started:.0f}s", flush=True)
+        if report is not None and report_every and (step % report_every == 0 or step == steps):
+            print(f"{label} step {step:5d}  held-out: {report()}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=sorted(STREAMS), default="grounding",
+                        help="what the model learns: grounding scenes, or counting pictures scored by the math task")
+    parser.add_argument("--out", type=Path, help="model folder to write (default: the committed one of --task)")
+    parser.add_argument("--vision-steps", type=int, default=1500)
+    parser.add_argument("--decoder-steps", type=int, default=4000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--vision-learning-rate", type=float, default=2e-3)
+    parser.add_argument("--decoder-learning-rate", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0, help="model initialisation")
+    parser.add_argument("--image-side", type=int, default=168, help="images are resized to at most side x side")
+    parser.add_argument("--eval-every", type=int, default=500, help="held-out greedy report every N decoder steps")
+    parser.add_argument("--eval-scenes", type=int, default=100)
+    parser.add_argument("--max-thought-tokens", type=int, default=40, help="thought limit of the held-out report")
+    parser.add_argument("--snapshot", type=Path, help="also save the model here at every held-out report")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--box-margin", type=float, default=0.0, help="loose labels: grow every target box by this many pixels a side")
+    parser.add_argument("--init", type=Path, help="start from this model folder instead of a fresh random model")
+    parser.add_argument("--slip-rate", type=float, default=0.0,
+                        help="counting: the share of sum and add labels with an arithmetic slip (see CountingStream)")
+    args = parser.parse_args(argv)
+    if not args.box_margin >= 0:
+        parser.error(f"--box-margin must be a number of pixels >= 0, got {args.box_margin}")
+    if args.box_margin and args.task != "grounding":
+        parser.error(f"--box-margin loosens grounding boxes; --task {args.task} has none")
+    if not 0 <= args.slip_rate <= 1:
+        parser.error(f"--slip-rate must be a share in [0, 1], got {args.slip_rate}")
+    if args.slip_rate and args.task != "counting":
+        parser.error(f"--slip-rate puts slips in counting labels; --task {args.task} has none")
+    out = args.out or {"grounding": TINY_EXACT_MODEL_DIR, "counting": TINY_COUNT_MODEL_DIR}[args.task]
+    make_stream = STREAMS[args.task]
+
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    init_dir = args.init or build_untrained(
+        out.with_name(out.name + "-init"), seed=args.seed, image_side=args.image_side
+    )
+    policy = load_policy(str(init_dir), attn_implementation="sdpa")
+    policy.model.train()
+    visual = vision_tower(policy.model)
+
+    if args.vision_steps:
+        heads = TokenHeads(policy.model.config.vision_config.out_hidden_size, count_centres=args.task == "counting")
+        stream = make_stream(VISION_SEED)
+        _train(
+            [*visual.parameters(), *heads.parameters()],
+            args.vision_steps,
+            args.vision_learning_rate,
+            lambda: vision_step(policy, heads, stream.take(args.batch_size)),
+            label="vision",
+        )
+    freeze_vision(policy.model)
+    decoder_parameters = trainable_parameters(policy.model)
+
+    task = get_task(SCORED_BY[args.task])
+    stream = CountingStream(DECODER_SEED, args.slip_rate) if args.task == "counting" else make_stream(DECODER_SEED)
+    held_out = [scene.sample for scene in make_stream(HELD_OUT_SEED).take(args.eval_scenes)]  # true labels
+    settings = EvalSettings(max_thought_tokens=args.max_thought_tokens)
+    _train(
+        decoder_parameters,
+        args.decoder_steps,
+        args.decoder_learning_rate,
+        lambda: supervised_step(
+            policy, [scene.sample for scene in stream.take(args.batch_size)], task.instruction, args.box_margin
+        ),
+        label="decoder",
+        report=lambda: held_out_report(policy, held_out, settings, snapshot=args.snapshot),
+        report_every=args.eval_every,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    policy.model.save_pretrained(out)
+    policy.processor.save_pretrained(out)
+    if args.init is None:
+        shutil.rmtree(init_dir, ignore_errors=True)
+    print(f"wrote the warm-started tiny model to {out}")
+
+
+if __name__ == "__main__":
+    main()
