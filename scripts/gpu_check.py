@@ -504,7 +504,7 @@ def engines_section(args, model_dir: Path, work: Path, env: dict, budget: Budget
         return "skipped: no vLLM"
     run = RUN_DEFAULTS[args.size]
     pixels = SPECS[args.size]["image_pixels"]
-    command = [sys.executable, "-m", "vlm_grpo_ma.bench_engines", str(model_dir), "--device", args.device,
+    command = [sys.executable, "-m", "vlm_grpo_ma.tools.bench_engines", str(model_dir), "--device", args.device,
                "--prompts", str(args.prompts_per_step or run["prompts_per_step"]),
                "--thought-tokens", str(args.max_thought_tokens or run["max_thought_tokens"]),
                "--answer-tokens", str(args.max_answer_tokens or run["max_answer_tokens"]),

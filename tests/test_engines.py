@@ -10,13 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_grpo_ma.engines import check_engine
 from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
 from vlm_grpo_ma.engines.vllm import REQUIRE_ENV, merged_state_dict, unexpanded_ids, vllm_installed
 from vlm_grpo_ma.model.loading import load_policy
 from vlm_grpo_ma.model.logprobs import sequence_logprobs
 from vlm_grpo_ma.model.prompts import encode_prompt
 from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.rollout_engine import check_engine
 from vlm_grpo_ma.task_api.registry import Sample
 
 K, M = 2, 2

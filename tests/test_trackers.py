@@ -25,7 +25,7 @@ from conftest import tiny_run_config
 from PIL import Image, ImageChops
 
 from vlm_grpo_ma.run.config import ConfigError, load_config
-from vlm_grpo_ma.run.trackers import TRACKERS, Tracker, open_trackers, register_tracker
+from vlm_grpo_ma.run.trackers import TRACKERS, Tracker, check_trackers, open_trackers, register_tracker
 
 EXTRA = "needs the trackers extra (pip install -e '.[trackers]'; .ci/run installs it)"
 ALL = "[tensorboard,wandb,mlflow,swanlab,trackio]"
@@ -311,12 +311,12 @@ def test_a_tracker_that_raises_does_not_stop_the_run(untrained_tiny_dir, tmp_pat
 
 def test_an_unknown_tracker_is_refused_naming_the_valid_ones():
     with pytest.raises(ConfigError) as error:
-        load_config(None, ["logging.report_to=[tensorboard,wandbb]"])
+        check_trackers(load_config(None, ["logging.report_to=[tensorboard,wandbb]"]))
     valid = ", ".join([*TRACKERS, "none"])
     assert "logging.report_to=['tensorboard', 'wandbb']: unknown tracker(s) 'wandbb'; valid names: " + valid in str(error.value)
     assert valid.startswith("tensorboard, wandb, mlflow, swanlab, trackio")
     with pytest.raises(ConfigError, match="'none' means no tracker and cannot be listed with others"):
-        load_config(None, ["logging.report_to=[none,tensorboard]"])
+        check_trackers(load_config(None, ["logging.report_to=[none,tensorboard]"]))
     with pytest.raises(ConfigError, match=r"logging.tensorboard is gone: list the trackers in logging.report_to"):
         load_config(None, ["logging.tensorboard=false"])
     assert load_config(None, ["logging.report_to=[none]"]).logging.report_to == ["none"]

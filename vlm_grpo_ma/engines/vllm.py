@@ -29,7 +29,6 @@ from vlm_grpo_ma.engines.decode import SamplingSettings, TreeSample
 from vlm_grpo_ma.engines.rollout import Rollout, rollout_from_tree
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import EncodedPrompt, open_image
-from vlm_grpo_ma.run.config import Config, ConfigError
 
 INSTALL_COMMAND = "scripts/setup.sh --vllm"
 BLOCK_SIZE = 32  # tokens per KV block: the CPU backend's smallest; only full blocks are shared between requests
@@ -41,25 +40,27 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def check_vllm(cfg: Config, num_processes: int) -> None:
+def check_vllm(num_processes: int, *, tensor_parallel_size: int = 1, sleep: bool = False) -> None:
+    """ValueError, saying why and what to set instead, where the engine cannot run here (the run turns it into
+    a config error before anything loads)."""
     if not vllm_installed():
-        raise ConfigError(
+        raise ValueError(
             f"rollout.engine=vllm but vLLM is not installed in this environment; install it with `{INSTALL_COMMAND}`"
             " (or use rollout.engine=hf)"
         )
     if num_processes > 1:
-        raise ConfigError(
+        raise ValueError(
             f"rollout.engine=vllm runs in one process only (the in-process engine); this launch has {num_processes}"
             " processes: use rollout.engine=hf with several processes"
         )
-    if cfg.rollout.vllm_tensor_parallel_size != 1:
-        raise ConfigError(
-            f"rollout.vllm_tensor_parallel_size={cfg.rollout.vllm_tensor_parallel_size}: the engine runs in the trainer's"
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"rollout.vllm_tensor_parallel_size={tensor_parallel_size}: the engine runs in the trainer's"
             " process and gets the weights as tensors there, which one worker takes; several tensor-parallel workers"
             " (separate processes) are not supported yet: set it to 1"
         )
-    if cfg.rollout.vllm_sleep and not torch.cuda.is_available():
-        raise ConfigError("rollout.vllm_sleep=true needs a GPU (vLLM's sleep mode frees GPU memory); set it to false")
+    if sleep and not torch.cuda.is_available():
+        raise ValueError("rollout.vllm_sleep=true needs a GPU (vLLM's sleep mode frees GPU memory); set it to false")
 
 
 def unexpanded_ids(input_ids: Sequence[int], image_token_id: int) -> list[int]:
@@ -139,25 +140,6 @@ class VLLMEngine:
         # thousands of times a step; the thread count is the engine's either way.
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.getMessage())
         self._counted = self._prefix_counters()
-
-    @classmethod
-    def for_run(cls, cfg: Config, policy: Policy) -> VLLMEngine:
-        """The engine of a run: the policy's model folder, the run's precision, then the policy's current weights
-        (a resumed or LoRA run's differ from the folder's)."""
-        dtype = "bfloat16" if cfg.train.mixed_precision == "bf16" else cfg.model.dtype
-        engine = cls(
-            policy.model.name_or_path,
-            dtype=dtype,
-            seed=cfg.train.seed,
-            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-            kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
-            tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size,
-            sleep=cfg.rollout.vllm_sleep,
-            min_pixels=cfg.model.min_pixels,
-            max_pixels=cfg.model.max_pixels,
-        )
-        engine.push_weights(policy)
-        return engine
 
     # ------------------------------------------------------------------------------------------------------
 

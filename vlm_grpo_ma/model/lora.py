@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -266,7 +265,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"cannot merge {args.adapter_dir}: {error}")
     print(f"wrote the merged model to {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

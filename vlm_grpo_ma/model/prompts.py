@@ -174,3 +174,4 @@ def _right_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
         mask[i, : len(r)] = 1
+    return ids, mask

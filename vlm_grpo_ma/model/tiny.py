@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-TINY_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "tiny-qwen2.5-vl"
+TINY_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl"
 TINY_EXACT_MODEL_DIR = TINY_MODEL_DIR.with_name("tiny-qwen2.5-vl-exact")
 TINY_COUNT_MODEL_DIR = TINY_MODEL_DIR.with_name("tiny-qwen2.5-vl-count")  # the counting regime's start
 TINY_MODEL_NAME = "tiny"  # `model.name_or_path: tiny` selects TINY_MODEL_DIR

@@ -20,7 +20,6 @@ import yaml
 from vlm_grpo_ma.algorithm.advantages import ADVANTAGE_ESTIMATORS
 from vlm_grpo_ma.algorithm.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
 from vlm_grpo_ma.engines.decode import SEED_STRIDE
-from vlm_grpo_ma.run.trackers import check_report_to
 
 
 class ConfigError(ValueError):
@@ -395,10 +394,6 @@ def validate(cfg: Config) -> Config:
     for name, weight in cfg.data.reward_weights.items():
         if not isinstance(weight, (int, float)):
             raise ConfigError(f"data.reward_weights.{name}={weight!r} must be a number")
-    try:
-        check_report_to(cfg.logging.report_to)
-    except ValueError as error:
-        raise ConfigError(f"logging.report_to={cfg.logging.report_to}: {error}") from None
     return cfg
 
 

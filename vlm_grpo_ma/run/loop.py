@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 import time
 from collections import Counter
 
@@ -336,8 +335,3 @@ def save_on_the_way_out(run: RunState, step: int, guard: UpdateGuard, completed:
         # no process exits before the checkpoint is written: the launcher stops the others when one exits
         run.accelerator.wait_for_everyone()
 
-
-if __name__ == "__main__":
-    from vlm_grpo_ma.run.cli import main
-
-    sys.exit(main())

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from vlm_grpo_ma.algorithm.diagnostics import GradSpikeMonitor
-from vlm_grpo_ma.engines import check_engine, make_engine
 from vlm_grpo_ma.model import lora
 from vlm_grpo_ma.model.loading import Policy, count_parameters, load_policy
 from vlm_grpo_ma.model.logprobs import CompletionScorer
@@ -29,8 +28,9 @@ from vlm_grpo_ma.run.distributed import make_accelerator
 from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
+from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
 from vlm_grpo_ma.run.run_dir import checkpoint_to_resume, claim_run_dir
-from vlm_grpo_ma.run.trackers import open_trackers, run_params
+from vlm_grpo_ma.run.trackers import check_trackers, open_trackers, run_params
 from vlm_grpo_ma.run.update import score_rows
 from vlm_grpo_ma.task_api.registry import Sample, Task, count_load_skips, get_task, import_task_modules
 from vlm_grpo_ma.task_api.streams import PromptStream, TaskMixture
@@ -70,6 +70,7 @@ class RunState:
 def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     from accelerate.utils import set_seed
 
+    check_trackers(cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)

@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vlm_grpo_ma.run.config import Config, ConfigError
+
 log = logging.getLogger("vlm_grpo_ma.trackers")
 
 STATE_FILE = "trackers.json"
@@ -106,6 +108,15 @@ def check_report_to(names: list[str]) -> None:
     missing = [n for n in names if n != NONE and TRACKERS[n].module and importlib.util.find_spec(TRACKERS[n].module) is None]
     if missing:
         raise ValueError(f"{', '.join(missing)} not installed; install the trackers extra: pip install -e '.[trackers]'")
+
+
+def check_trackers(cfg: Config) -> None:
+    """ConfigError for a ``logging.report_to`` no run can use (``check_report_to``), checked at the run's start
+    before anything loads. The config does not check it itself: it imports no tracker."""
+    try:
+        check_report_to(cfg.logging.report_to)
+    except ValueError as error:
+        raise ConfigError(f"logging.report_to={cfg.logging.report_to}: {error}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------

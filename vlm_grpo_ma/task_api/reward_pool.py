@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vlm_grpo_ma.reward_pool")
 
 # The default deadline of one reward call. The slowest legitimate reward is code's: one sandboxed run of up to
 # 10 s wall time plus start-up; the others take milliseconds (math-verify up to ~0.5 s on screened input).
@@ -86,7 +86,7 @@ def _worker_entry(fd: int, parent: int) -> None:
 
 _WORKER_CODE = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-    "from vlm_grpo_ma.reward_pool import _worker_entry; _worker_entry(int(sys.argv[2]), int(sys.argv[3]))"
+    "from vlm_grpo_ma.task_api.reward_pool import _worker_entry; _worker_entry(int(sys.argv[2]), int(sys.argv[3]))"
 )
 
 

@@ -501,7 +501,3 @@ def main(argv: list[str] | None = None) -> None:
         rollout_main(args)
     else:
         train_main(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -28,9 +28,8 @@ def make_bench_engine(name: str, policy: Policy, seed: int):
 
         return HFEngine()
     from vlm_grpo_ma.engines.vllm import VLLMEngine, check_vllm
-    from vlm_grpo_ma.run.config import Config
 
-    check_vllm(Config(), 1)
+    check_vllm(1)
     engine = VLLMEngine(
         policy.model.name_or_path, dtype=str(policy.model.dtype).removeprefix("torch."), seed=seed,
         max_pixels=policy.processor.image_processor.size["longest_edge"],

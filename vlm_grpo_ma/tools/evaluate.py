@@ -227,7 +227,3 @@ def main(argv: list[str] | None = None) -> int:
     print(results_table(payload["results"]), end="")
     print(f"results: {Path(args.output_dir) / 'results.json'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -60,7 +60,7 @@ PARTS = ("weights", "gradients", "optimizer", "reference", "activations", "kv_ca
 PROMPT_TEXT_TOKENS = 64
 GPU_SIZES_GB = (80, 141)
 TIGHT = 0.95  # a peak above 95% of the GPU is called tight: CUDA context and allocator slack are not counted
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +285,3 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides)
     print(report(architecture_of(cfg.model.name_or_path), cfg, args.processes, args.strategy, args.gpu_gb))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

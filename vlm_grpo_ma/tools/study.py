@@ -131,7 +131,3 @@ def main(argv: list[str] | None = None) -> int:
                           report_dir=Path(args.report_dir) if args.report_dir else None)  # fmt: skip
     print(f"report: {report}", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -337,7 +337,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{about['prompts']} prompts x {args.thoughts} thoughts, {args.resamples} redraws per M; "
           f"{about['seconds']:.0f} s; wrote {out / 'variance.json'} and {out / 'variance.png'}")  # fmt: skip
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

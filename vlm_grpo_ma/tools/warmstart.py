@@ -64,7 +64,7 @@ from vlm_grpo_ma.run.evaluation import EvalSettings
 from vlm_grpo_ma.task_api.coords import from_original_pixels
 from vlm_grpo_ma.task_api.registry import Sample, get_task
 
-DATA_SCRIPTS = Path(__file__).resolve().parents[1] / "data"
+DATA_SCRIPTS = Path(__file__).resolve().parents[2] / "data"
 # Scene seeds: the committed grounding splits use 20240101 (train) and 20240202 (test), the math splits
 # 20240505 and 20240606, the counting splits 20240707 and 20240808.
 VISION_SEED, DECODER_SEED, HELD_OUT_SEED = 31, 32, 33
@@ -441,7 +441,3 @@ def main(argv: list[str] | None = None) -> None:
     if args.init is None:
         shutil.rmtree(init_dir, ignore_errors=True)
     print(f"wrote the warm-started tiny model to {out}")
-
-
-if __name__ == "__main__":
-    main()
