@@ -2,12 +2,12 @@
 resume, at Qwen2.5-VL-3B's, Qwen2-VL-2B's and Qwen3-VL-4B's real sizes on this CPU, random weights in bf16.
 
     .venv/bin/python scripts/check_real_size.py                          # the three families, one after another
-    .venv/bin/python scripts/check_real_size.py --models qwen3-vl-2b     # any of vlm_grpo_ma.architectures.ARCHITECTURES
+    .venv/bin/python scripts/check_real_size.py --models qwen3-vl-2b     # any of vlm_grpo_ma.model.architectures.ARCHITECTURES
     .venv/bin/python scripts/check_real_size.py --shrunk                 # the same path on shrunk copies (seconds)
     .venv/bin/python scripts/check_real_size.py --gradient-checkpointing # the preset's checkpointed update
 
 For each model, one at a time (a 3B-4B model in bf16 takes 8-9 GB of host memory):
-1. builds it from ``vlm_grpo_ma.architectures`` (the published config.json numbers: every width and depth, the
+1. builds it from ``vlm_grpo_ma.model.architectures`` (the published config.json numbers: every width and depth, the
    vision tower's window/full-attention blocks or deepstack layers, tied embeddings, the 151,936-token
    vocabulary, the M-RoPE sections), random weights allocated directly in bf16, and prints its parameter
    count against the published one; saves it with the family's real processor around the project's tiny
@@ -21,7 +21,7 @@ For each model, one at a time (a 3B-4B model in bf16 takes 8-9 GB of host memory
 3. resumes that run (``--resume``) for a third step;
 4. prints per run: exit code, step times (from metrics.jsonl), and the trainer process's peak RSS (the
    kernel's ru_maxrss of that child); next to it the memory model's prediction for the same config on one
-   process (``vlm_grpo_ma.memory``) plus the measured RSS of a process that only imports the trainer (Python,
+   process (``vlm_grpo_ma.tools.memory``) plus the measured RSS of a process that only imports the trainer (Python,
    torch, transformers), and whether they agree within 20%.
 
 Exit status 0 when every run finished its steps, the resume continued at step 3, every parameter count

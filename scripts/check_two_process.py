@@ -34,7 +34,7 @@ Exit status 0 when every difference is within --tolerance (1e-5; grad norms and 
 The run uses a reward every untrained sample varies on (answer length), so the weights do move.
 The launch uses ``configs/accelerate/cpu-2proc.yaml`` (DDP; its header says why it names MULTI_GPU: in
 accelerate 1.16 a MULTI_CPU launch goes through mpirun; with no GPU the torchrun workers run on the CPU, gloo)
-or ``configs/accelerate/cpu-2proc-fsdp.yaml`` (FSDP2 through torch's fully_shard, vlm_grpo_ma/sharding.py).
+or ``configs/accelerate/cpu-2proc-fsdp.yaml`` (FSDP2 through torch's fully_shard, vlm_grpo_ma/run/sharding.py).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def memory_figures(run_dir: Path, processes: int) -> list[dict[str, float]]:
 
 
 def predicted_bytes(model_dir: Path, overrides: list[str], strategy: str) -> dict[str, int]:
-    """What the memory model (vlm_grpo_ma.memory) predicts each of 2 processes holds after a step."""
+    """What the memory model (vlm_grpo_ma.tools.memory) predicts each of 2 processes holds after a step."""
     from vlm_grpo_ma.model.architectures import architecture_of
     from vlm_grpo_ma.run.config import load_config
     from vlm_grpo_ma.tools.memory import estimate

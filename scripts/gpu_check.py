@@ -48,7 +48,7 @@ PRESETS = {
     True: REPO / "configs" / "qwen2.5-vl-3b-lora-grounding-t4a4.yaml",
 }
 
-# Qwen2.5-VL-3B-Instruct's architecture numbers: vlm_grpo_ma/architectures.py (one source for every script).
+# Qwen2.5-VL-3B-Instruct's architecture numbers: vlm_grpo_ma/model/architectures.py (one source for every script).
 THREE_B_TEXT = QWEN2_5_VL_3B.text
 THREE_B_VISION = QWEN2_5_VL_3B.vision
 SPECS = {
@@ -305,7 +305,7 @@ SECTIONS = {
     "forward": "training forward: shared prefixes vs re-encoded rows",
     "fsdp": "2-GPU FSDP step",
     "decode": "decode-step benchmark (scripts/bench_decode_step.py)",
-    "engines": "rollout engines: vLLM vs HF (python -m vlm_grpo_ma.bench_engines)",
+    "engines": "rollout engines: vLLM vs HF (python -m vlm_grpo_ma.tools.bench_engines)",
 }
 
 
@@ -495,7 +495,7 @@ def decode_section(args, work: Path, env: dict, budget: Budget) -> str:
 
 
 def engines_section(args, model_dir: Path, work: Path, env: dict, budget: Budget) -> str:
-    """The T4A4 rollout through each engine on the same prompts (vlm_grpo_ma/bench_engines.py), when vLLM is
+    """The T4A4 rollout through each engine on the same prompts (vlm_grpo_ma/tools/bench_engines.py), when vLLM is
     installed (scripts/setup.sh --vllm)."""
     import importlib.util
 

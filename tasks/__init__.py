@@ -1,1 +1,1 @@
-"""Task families: one module per family; each registers itself with ``vlm_grpo_ma.registry`` on import."""
+"""Task families: one module per family; each registers itself with ``vlm_grpo_ma.task_api.registry`` on import."""

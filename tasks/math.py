@@ -53,7 +53,7 @@ first has to pass a static screen (``safe_for_math_verify``: bounded length, nes
 factorials, binomials, nested or long arguments of ``\\Gamma``, ``\\exp``, ``\\sinh``, ``\\cosh``);
 ``\\begin{...}``/``\\end{...}`` environment names are not variables. What the screen
 lets through unbounded is bounded by the reward's deadline: every task reward runs in a worker process that is
-killed when it passes ``rollout.reward_timeout_s`` (``vlm_grpo_ma/reward_pool.py``), in training and
+killed when it passes ``rollout.reward_timeout_s`` (``vlm_grpo_ma/task_api/reward_pool.py``), in training and
 evaluation alike, from any thread. (A SIGALRM timer used to guard the main thread only; it is gone.) The
 measurements behind each screen limit are in the comments at the limits. Every regex here is linear-time.
 
@@ -411,7 +411,7 @@ def _parsed(text: str) -> tuple:
 def math_verify_equal(prediction: str, truth: str, precision: int | None = None) -> bool | None:
     """math-verify's verdict on two unwrapped answers: True/False, or None when either side is refused by
     ``safe_for_math_verify``, does not parse, or math-verify raises. No time limit here: the reward's deadline
-    (``vlm_grpo_ma.reward_pool``) bounds it wherever it runs."""
+    (``vlm_grpo_ma.task_api.reward_pool``) bounds it wherever it runs."""
     if not (safe_for_math_verify(prediction) and safe_for_math_verify(truth)):
         return None
     module, _ = _math_verify()

@@ -1,4 +1,4 @@
-"""Tests for vlm_grpo_ma.advantages: hand-computed values, a slow loop reference, invariances, M = 1 == GRPO.
+"""Tests for vlm_grpo_ma.algorithm.advantages: hand-computed values, a slow loop reference, invariances, M = 1 == GRPO.
 
 Tolerances: hand values are pinned at 1e-12 in float64 (the code's rounding error is ~1e-16). Comparisons
 against the loop reference and the invariance checks use 1e-12 in float64: reductions in a different order

@@ -1,4 +1,4 @@
-"""Table tests for the shared parsers in vlm_grpo_ma/task_api.py: well-formed and malformed model output."""
+"""Table tests for the shared parsers in vlm_grpo_ma/task_api/: well-formed and malformed model output."""
 
 import math
 import select

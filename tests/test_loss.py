@@ -1,4 +1,4 @@
-"""Tests for vlm_grpo_ma.loss: hand-computed surrogate and k3 values, micro-batch additivity, gradients.
+"""Tests for vlm_grpo_ma.algorithm.loss: hand-computed surrogate and k3 values, micro-batch additivity, gradients.
 
 Tolerances: float64 throughout with 1e-12 (the computations are a handful of flops, rounding ~1e-16;
 ratios built as exp(log(r)) are off by ~1 ulp). A wrong branch, clip bound or normaliser moves values by

@@ -1,4 +1,4 @@
-"""Architecture numbers and the memory model (vlm_grpo_ma.architectures, vlm_grpo_ma.memory): parameter counts by
+"""Architecture numbers and the memory model (vlm_grpo_ma.model.architectures, vlm_grpo_ma.tools.memory): parameter counts by
 hand against built models and the published figures; predicted bytes against a real model's parameters,
 gradients and AdamW state, and small cases computed by hand."""
 

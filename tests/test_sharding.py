@@ -1,4 +1,4 @@
-"""FSDP2 (vlm_grpo_ma/sharding.py): the launch settings the trainer takes or refuses, and on two CPU processes
+"""FSDP2 (vlm_grpo_ma/run/sharding.py): the launch settings the trainer takes or refuses, and on two CPU processes
 (gloo) the sharded model against an unsharded copy: sampling, the training forward/backward (tree-shared and
 re-encoding), the gradient averaging and clipping; and LoRA under FSDP trained end to end against one process.
 

@@ -1,4 +1,4 @@
-"""Trackers (vlm_grpo_ma/trackers.py): a run with logging.report_to=[tensorboard,wandb,mlflow,swanlab,trackio]
+"""Trackers (vlm_grpo_ma/run/trackers.py): a run with logging.report_to=[tensorboard,wandb,mlflow,swanlab,trackio]
 writes each tracker's offline data, read back here through each library's own reader; a resumed run continues
 the same tracker runs without duplicate steps; completions tables and held-out drawings reach W&B and MLflow;
 a tracker that raises never stops the run.

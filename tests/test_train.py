@@ -278,7 +278,7 @@ def test_deepspeed_is_refused_at_start_naming_what_runs(monkeypatch):
 
 
 def test_an_fsdp_launch_gets_a_plain_accelerator_the_trainer_shards_for(monkeypatch):
-    """accelerate's FSDP plugin stays off (the trainer shards with fully_shard, vlm_grpo_ma/sharding.py); an
+    """accelerate's FSDP plugin stays off (the trainer shards with fully_shard, vlm_grpo_ma/run/sharding.py); an
     FSDP setting the trainer does not run is refused at start by name. Planted and seen to fail: the
     Accelerator created with ACCELERATE_USE_FSDP left in the environment (on the CPU accelerate ignores it,
     on a GPU it would turn its plugin on: the test records what accelerate would read)."""

@@ -39,7 +39,7 @@ class Policy:
     model: torch.nn.Module
     processor: object
     frame: CoordinateFrame
-    # With LoRA: the peft wrapper of ``model`` (its LoRA layers live inside ``model``; see vlm_grpo_ma/lora.py)
+    # With LoRA: the peft wrapper of ``model`` (its LoRA layers live inside ``model``; see vlm_grpo_ma/model/lora.py)
     adapter: object | None = None
 
     @property

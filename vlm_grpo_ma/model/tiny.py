@@ -12,7 +12,7 @@ Three pieces, each reproducible from this file and ``vlm_grpo_ma.warmstart``:
   real to correct on scenes it never trained on. A third, ``TINY_COUNT_MODEL_DIR``, starts the counting regime
   (``configs/tiny-counting.yaml``; its command is in ``warmstart``'s docstring too).
 
-``python -m vlm_grpo_ma.tiny`` rebuilds the tokenizer and a randomly initialised model into the assets folder.
+``python -m vlm_grpo_ma.model.tiny`` rebuilds the tokenizer and a randomly initialised model into the assets folder.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def make_accelerator(cfg: Config):
     # accelerate keeps it in a process-wide singleton, so forget that (not the process group, PartialState).
     AcceleratorState._reset_state(reset_partial_state=False)
     sharding.launch_settings()  # an FSDP launch config the trainer does not run fails here, before any work
-    with sharding.accelerate_without_fsdp():  # FSDP: the trainer shards itself (vlm_grpo_ma/sharding.py)
+    with sharding.accelerate_without_fsdp():  # FSDP: the trainer shards itself (vlm_grpo_ma/run/sharding.py)
         accelerator = Accelerator(
             cpu=not torch.cuda.is_available(),
             mixed_precision=cfg.train.mixed_precision,

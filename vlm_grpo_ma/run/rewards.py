@@ -16,7 +16,7 @@ from vlm_grpo_ma.engines.rollout import Rollout
 from vlm_grpo_ma.task_api.registry import Task, get_task, weighted_reward
 from vlm_grpo_ma.task_api.reward_pool import DEFAULT_TIMEOUT_S, RewardTimeout, shared_pool
 
-log = logging.getLogger("vlm_grpo_ma.rewards")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -200,7 +200,7 @@ _IMPORTED_MODULES: list[str] = []
 
 def imported_task_modules() -> tuple[str, ...]:
     """Every module ``import_task_modules`` was given in this process, in order (reward worker processes
-    import the same ones, see ``vlm_grpo_ma.reward_pool``)."""
+    import the same ones, see ``vlm_grpo_ma.task_api.reward_pool``)."""
     return tuple(_IMPORTED_MODULES)
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any
 
-log = logging.getLogger("vlm_grpo_ma.reward_pool")
+log = logging.getLogger(__name__)
 
 # The default deadline of one reward call. The slowest legitimate reward is code's: one sandboxed run of up to
 # 10 s wall time plus start-up; the others take milliseconds (math-verify up to ~0.5 s on screened input).

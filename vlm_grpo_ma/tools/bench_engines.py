@@ -130,7 +130,7 @@ def format_engines_table(rows: list[dict], engine_names: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m vlm_grpo_ma.bench_engines MODEL_DIR``: the engines on one model folder (scripts/gpu_check.py's
+    """``python -m vlm_grpo_ma.tools.bench_engines MODEL_DIR``: the engines on one model folder (scripts/gpu_check.py's
     'engines' section runs it on the random 3B model): bf16 on a GPU, fp32 on the CPU."""
     from vlm_grpo_ma.model.loading import load_policy
     from vlm_grpo_ma.model.prompts import encode_prompt

@@ -20,11 +20,11 @@ from vlm_grpo_ma.run.config import RolloutConfig
 from vlm_grpo_ma.task_api.registry import get_task
 
 EMBEDDED = "embedded"  # the shipped warm-started model
-BENCH_MODELS = (EMBEDDED, *SIZES)  # then untrained models of each size of vlm_grpo_ma.tiny
+BENCH_MODELS = (EMBEDDED, *SIZES)  # then untrained models of each size of vlm_grpo_ma.model.tiny
 
 
 def load_bench_policy(name: str, workdir: Path, *, image_size: int | None = None) -> Policy:
-    """``embedded``: the shipped model, loaded as the default run loads it. A size of ``vlm_grpo_ma.tiny``: an
+    """``embedded``: the shipped model, loaded as the default run loads it. A size of ``vlm_grpo_ma.model.tiny``: an
     untrained model of that size, saved to ``workdir`` and loaded as the trainer loads it. With ``image_size``
     the processor's pixel budget is raised so that a ``image_size`` x ``image_size`` image is not shrunk."""
     if name not in BENCH_MODELS:

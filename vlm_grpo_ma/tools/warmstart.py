@@ -5,7 +5,7 @@ Two phases, both on scenes drawn fresh at every step from the embedded data's ow
 apart from the committed train and test splits, so a 1.1M-parameter model sees tens of thousands of distinct
 scenes and cannot memorise a few thousand:
 
-1. **Vision.** The vision tower and patch merger of a randomly initialised model (``vlm_grpo_ma.tiny``) learn,
+1. **Vision.** The vision tower and patch merger of a randomly initialised model (``vlm_grpo_ma.model.tiny``) learn,
    through small linear heads on each merged image token that are thrown away afterwards, what is under that
    token: its grid place, whether an object covers it, that object's colour, shape and box. A tower trained
    only through the decoder's loss collapsed to near-constant features; a frozen random one encodes the
@@ -19,7 +19,7 @@ scenes and cannot memorise a few thousand:
 Every ``--eval-every`` steps it prints greedy held-out metrics on generated scenes (a third seed, true labels;
 the committed test split is left for evaluation).
 
-The three committed models (``vlm_grpo_ma.tiny``) were made by this script, each with ``--threads 1`` on this
+The three committed models (``vlm_grpo_ma.model.tiny``) were made by this script, each with ``--threads 1`` on this
 project's 2-core CPU machine:
 
 - ``vlm_grpo_ma/assets/tiny-qwen2.5-vl-exact``: the defaults (about 90 minutes). It stops before convergence on
