@@ -6,7 +6,7 @@ on the model's device. Prints figures; not a test.
 
 "before": per-prompt generators on the host, as the sampler had them: the [rows x vocab] probabilities are
 copied to the host at every decoded token (rows x vocab x 4 bytes; 78 MB at 128 rows). "after": the
-generators moved to the model's device by ``policy._generators_on`` (what ``sample_tree`` now does): only the
+generators moved to the model's device by ``decode._generators_on`` (what ``sample_tree`` now does): only the
 sampled ids come back. On a CPU-only machine the two are the same path (nothing to copy); the figures that
 matter come from a GPU (not measured yet: no GPU machine so far). Then one KV cache layer: appending a
 token by ``torch.cat`` (copies the whole layer) against the preallocated buffer ``sample_tree`` now uses.

@@ -3,7 +3,7 @@
 Writes a parquet file in the lmms-lab RefCOCO format (``question_id, image {bytes, path}, question, answer, bbox,
 file_name``) holding ``--images`` JPEGs of ``--size`` pixels (a noisy gradient, so each JPEG is a realistic size),
 loads it with the grounding task's parquet loader (images opened lazily: header only) and draws the stream
-through ``train.draw_prompts`` with ``train.encode_sample`` on the untrained tiny model's processor, step after
+through ``loop.draw_prompts`` with ``loop.encode_sample`` on the untrained tiny model's processor, step after
 step (``--prompts-per-step``), as one of ``--processes`` processes (process 0; the others are taken to skip no
 image). Every ``--every`` images it prints the process's resident memory now and at its peak (VmRSS / VmHWM).
 With decoded pixels kept on the samples, RSS grows by about width x height x 3 bytes per image visited; without,

@@ -151,7 +151,7 @@ def test_the_largest_valid_seed_samples_every_step_and_the_next_one_overflows(st
 
     highest = max_seed(steps)
     cfg = load_config(None, [f"train.seed={highest}", f"train.steps={steps}"])
-    last_step_seed = cfg.train.seed * SEED_STRIDE + steps - 1  # as train.sampling_settings seeds the last step
+    last_step_seed = cfg.train.seed * SEED_STRIDE + steps - 1  # as loop.sampling_settings seeds the last step
     assert len(prompt_generators(last_step_seed, SEED_STRIDE - 1, 1)) == 1  # its last possible prompt
     with pytest.raises(ValueError, match="Overflow"):
         prompt_generators(last_step_seed + SEED_STRIDE, SEED_STRIDE - 1, 1)  # train.seed = highest + 1

@@ -5,11 +5,12 @@ from itertools import combinations
 
 import pytest
 
+from vlm_grpo_ma.run import evaluation
 from vlm_grpo_ma.run import loop as train_module
 from vlm_grpo_ma.run.config import load_config
 from vlm_grpo_ma.task_api.coords import CoordinateFrame
 from vlm_grpo_ma.task_api.registry import Completion, Sample, Task, get_task
-from vlm_grpo_ma.tools import evaluate as ev
+from vlm_grpo_ma.tools import evaluate
 
 
 @pytest.mark.parametrize(
@@ -17,7 +18,7 @@ from vlm_grpo_ma.tools import evaluate as ev
     [(5, 2, 1, 0.4), (5, 2, 2, 0.7), (5, 0, 3, 0.0), (5, 5, 1, 1.0), (4, 1, 4, 1.0), (10, 3, 5, 1 - 21 / 252)],
 )
 def test_pass_at_k_hand_computed(n, c, k, expected):
-    assert ev.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert evaluation.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
 
 def test_pass_at_k_equals_the_fraction_of_k_subsets_with_a_correct_answer():
@@ -27,19 +28,19 @@ def test_pass_at_k_equals_the_fraction_of_k_subsets_with_a_correct_answer():
             for k in range(1, n + 1):
                 subsets = list(combinations(outcomes, k))
                 brute = sum(any(s) for s in subsets) / len(subsets)
-                assert ev.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+                assert evaluation.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
 
 
 @pytest.mark.parametrize("n, c, k", [(3, 1, 4), (3, 4, 1), (3, 1, 0)])
 def test_pass_at_k_refuses_impossible_counts(n, c, k):
     with pytest.raises(ValueError, match=f"n={n} c={c} k={k}"):
-        ev.pass_at_k(n, c, k)
+        evaluation.pass_at_k(n, c, k)
 
 
 def test_reported_k_values():
-    assert ev.pass_at_k_values(1) == [1]
-    assert ev.pass_at_k_values(4) == [1, 2, 4]
-    assert ev.pass_at_k_values(10) == [1, 2, 4, 8, 10]
+    assert evaluation.pass_at_k_values(1) == [1]
+    assert evaluation.pass_at_k_values(4) == [1, 2, 4]
+    assert evaluation.pass_at_k_values(10) == [1, 2, 4, 8, 10]
 
 
 def _record(sample_id, index, correct, iou=0.0, fmt=1.0, error=None, thought_tokens=4, answer_tokens=2):
@@ -56,7 +57,7 @@ def test_summary_of_records_hand_computed():
         _record("b", 2, 1.0, iou=0.6, answer_tokens=8),
     ]
     records[4]["parts"] = {"reward": 0.0}  # a raising reward: no parts; counts as 0 everywhere
-    m = ev.summarize_records(task, records, samples_per_prompt=3)
+    m = evaluation.summarize_records(task, records, samples_per_prompt=3)
     assert m["prompts"] == 2 and m["answers"] == 6
     assert m["iou"] == pytest.approx((0.8 + 0.2 + 0.1 + 0.0 + 0.6) / 6)
     assert m["format"] == pytest.approx(4 / 6)
@@ -70,7 +71,7 @@ def test_summary_of_records_hand_computed():
 
 
 def test_greedy_summary_has_accuracy_but_no_pass_at_k():
-    m = ev.summarize_records(get_task("grounding"), [_record("a", 0, 1.0), _record("b", 0, 0.0)], 1)
+    m = evaluation.summarize_records(get_task("grounding"), [_record("a", 0, 1.0), _record("b", 0, 0.0)], 1)
     assert m["accuracy"] == 0.5 and not any(k.startswith("pass@") for k in m)
 
 
@@ -102,22 +103,22 @@ def test_prediction_is_in_original_pixels_for_each_frame(frame, written, input_s
 
 
 def test_resolve_model_kinds(tmp_path):
-    assert ev.resolve_model("tiny") == ev.ModelSpec("tiny", "tiny")
+    assert evaluate.resolve_model("tiny") == evaluate.ModelSpec("tiny", "tiny")
     run = tmp_path / "myrun"
     for step in (10, 20):
         folder = run / "checkpoints" / f"step-{step:06d}"
         (folder / "model").mkdir(parents=True)
         (folder / "state.pt").write_bytes(b"")
-    assert ev.resolve_model(str(run)) == ev.ModelSpec("myrun@step-000020", str(run / "checkpoints/step-000020/model"))
-    assert ev.resolve_model(str(run), step=10).label == "myrun@step-000010"
-    assert ev.resolve_model(str(run / "checkpoints/step-000010")).label == "myrun@step-000010"
+    assert evaluate.resolve_model(str(run)) == evaluate.ModelSpec("myrun@step-000020", str(run / "checkpoints/step-000020/model"))
+    assert evaluate.resolve_model(str(run), step=10).label == "myrun@step-000010"
+    assert evaluate.resolve_model(str(run / "checkpoints/step-000010")).label == "myrun@step-000010"
     with pytest.raises(FileNotFoundError, match="no checkpoint for --step 30; it has: step-000010, step-000020"):
-        ev.resolve_model(str(run), step=30)
-    assert ev.resolve_model("Qwen/Qwen2.5-VL-3B-Instruct") == ev.ModelSpec("Qwen__Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")
+        evaluate.resolve_model(str(run), step=30)
+    assert evaluate.resolve_model("Qwen/Qwen2.5-VL-3B-Instruct") == evaluate.ModelSpec("Qwen__Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")
 
 
 def test_results_table_has_a_column_per_model_and_the_change():
-    table = ev.results_table({"tiny": {"g-test": {"iou": 0.25, "prompts": 3}}, "run@step-1": {"g-test": {"iou": 0.5, "prompts": 3}}})
+    table = evaluate.results_table({"tiny": {"g-test": {"iou": 0.25, "prompts": 3}}, "run@step-1": {"g-test": {"iou": 0.5, "prompts": 3}}})
     lines = table.splitlines()
     assert lines[0] == "| benchmark | metric | tiny | run@step-1 | change |"
     assert "| g-test | iou | 0.250 | 0.500 | +0.250 |" in lines
@@ -127,13 +128,13 @@ def test_results_table_has_a_column_per_model_and_the_change():
 def test_interrupted_evaluation_resumes_without_redoing_finished_samples(tiny_policy, tmp_path):
     task = get_task("grounding")
     samples = task.load("test")[:5]
-    settings = ev.EvalSettings(max_thought_tokens=6, max_answer_tokens=6)
-    straight, straight_records = ev.evaluate_task(tiny_policy, task, samples, settings, batch_size=2, progress=False)
+    settings = evaluation.EvalSettings(max_thought_tokens=6, max_answer_tokens=6)
+    straight, straight_records = evaluation.evaluate_task(tiny_policy, task, samples, settings, batch_size=2, progress=False)
     path = tmp_path / "samples.jsonl"
     head = straight_records[:2]
     head[0] = {**head[0], "thought": "MARKER"}  # proves that the finished sample is read back, not regenerated
     path.write_text("".join(json.dumps(r) + "\n" for r in head) + '{"id": "test_000')  # a torn last line
-    resumed, records = ev.evaluate_task(tiny_policy, task, samples, settings, batch_size=2, records_path=path, progress=False)
+    resumed, records = evaluation.evaluate_task(tiny_policy, task, samples, settings, batch_size=2, records_path=path, progress=False)
     assert [r["id"] for r in records] == [s.id for s in samples]
     assert records[0]["thought"] == "MARKER"
     assert [r["answer"] for r in records[1:]] == [r["answer"] for r in straight_records[1:]]
@@ -143,8 +144,8 @@ def test_interrupted_evaluation_resumes_without_redoing_finished_samples(tiny_po
 
 def test_sampling_gives_n_answers_per_prompt_and_pass_at_k(tiny_policy):
     task = get_task("grounding")
-    settings = ev.EvalSettings(samples=3, temperature=1.0, max_thought_tokens=6, max_answer_tokens=6)
-    metrics, records = ev.evaluate_task(tiny_policy, task, task.load("test")[:2], settings, progress=False)
+    settings = evaluation.EvalSettings(samples=3, temperature=1.0, max_thought_tokens=6, max_answer_tokens=6)
+    metrics, records = evaluation.evaluate_task(tiny_policy, task, task.load("test")[:2], settings, progress=False)
     assert sorted((r["id"], r["sample_index"]) for r in records) == [(i, k) for i in ("test_00000", "test_00001") for k in range(3)]
     assert {k: metrics[k] for k in ("pass@1", "pass@2", "pass@3")} == pytest.approx(_brute_force_pass_at_k(task, records, 3))
 
@@ -156,7 +157,7 @@ def _brute_force_pass_at_k(task, records, n: int) -> dict[str, float]:
     for r in records:
         by_prompt.setdefault(r["id"], []).append(r["parts"].get(task.success, 0.0) >= 1.0)
     result = {}
-    for k in ev.pass_at_k_values(n):
+    for k in evaluation.pass_at_k_values(n):
         shares = [sum(any(s) for s in combinations(v, k)) / len(list(combinations(v, k))) for v in by_prompt.values()]
         result[f"pass@{k}"] = sum(shares) / len(shares)
     return result
@@ -166,7 +167,7 @@ def test_summary_pass_at_k_equals_a_brute_force_count_over_answer_subsets():
     task = get_task("grounding")
     correct = {"a": [1, 0, 0, 1], "b": [0, 0, 0, 0], "c": [0, 1, 0, 0], "d": [1, 1, 1, 1]}
     records = [_record(pid, i, float(c)) for pid, flags in correct.items() for i, c in enumerate(flags)]
-    metrics = ev.summarize_records(task, records, samples_per_prompt=4)
+    metrics = evaluation.summarize_records(task, records, samples_per_prompt=4)
     expected = _brute_force_pass_at_k(task, records, 4)
     assert set(expected) == {"pass@1", "pass@2", "pass@4"}
     assert {k: metrics[k] for k in expected} == pytest.approx(expected, abs=1e-12)
@@ -177,7 +178,7 @@ def test_broken_image_scores_zero_and_is_counted(tiny_policy, tmp_path):
     task = get_task("grounding")
     good = task.load("test")[0]
     broken = type(good)(good.task, "broken", good.question, (str(tmp_path / "missing.png"),), good.answer, good.meta)
-    metrics, records = ev.evaluate_task(tiny_policy, task, [broken, good], ev.EvalSettings(max_thought_tokens=4, max_answer_tokens=4), progress=False)
+    metrics, records = evaluation.evaluate_task(tiny_policy, task, [broken, good], evaluation.EvalSettings(max_thought_tokens=4, max_answer_tokens=4), progress=False)
     assert records[0]["error"] == "image" and records[0]["parts"]["reward"] == 0.0
     assert metrics["errors"] == 0.5 and metrics["prompts"] == 2
 
@@ -187,7 +188,7 @@ def test_raising_reward_scores_zero():
         raise RuntimeError("boom")
 
     task = Task("bad", load=lambda *a: [], reward=bad_reward, instruction="")
-    parts, prediction, error = ev._score(task, Completion("", ""), Sample("bad", "1", "q", (), None))
+    parts, prediction, error = evaluation._score(task, Completion("", ""), Sample("bad", "1", "q", (), None))
     assert parts == {"reward": 0.0} and error == "reward" and prediction is None
 
 
@@ -201,7 +202,7 @@ def test_cli_compares_the_embedded_model_and_a_trained_checkpoint(untrained_tiny
     out = tmp_path / "eval"
     args = ["--models", "tiny", str(run), "--limit", "3", "--max-thought-tokens", "8", "--max-answer-tokens", "8",
             "--draw", "2", "--output-dir", str(out), "--no-progress"]
-    assert ev.main(args) == 0
+    assert evaluate.main(args) == 0
     printed = capsys.readouterr().out
     assert "| benchmark | metric | tiny | run@step-000001 | change |" in printed
     results = json.loads((out / "results.json").read_text())["results"]
@@ -211,10 +212,10 @@ def test_cli_compares_the_embedded_model_and_a_trained_checkpoint(untrained_tiny
         assert len(list((out / label / "grounding-test" / "draw").glob("*.png"))) == 2
         assert len((out / label / "grounding-test" / "samples.jsonl").read_text().splitlines()) == 3
     # the same command again resumes: nothing left to do, same results
-    assert ev.main(args) == 0
+    assert evaluate.main(args) == 0
     assert json.loads((out / "results.json").read_text())["results"] == results
     # other settings in the same folder are refused, naming the folder
-    assert ev.main([*args, "--seed", "1"]) == 2
+    assert evaluate.main([*args, "--seed", "1"]) == 2
     assert "holds an evaluation with other settings" in capsys.readouterr().err
 
 
@@ -231,18 +232,18 @@ def test_cli_compares_the_embedded_model_and_a_trained_checkpoint(untrained_tiny
     ],
 )
 def test_cli_errors_name_the_bad_value(args, message, tmp_path, capsys):
-    assert ev.main([*args, "--output-dir", str(tmp_path / "e"), "--no-progress"]) == 2
+    assert evaluate.main([*args, "--output-dir", str(tmp_path / "e"), "--no-progress"]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_a_resumed_sampled_evaluation_samples_what_a_straight_one_samples(tiny_policy, tmp_path):
     task = get_task("grounding")
     samples = task.load("test")[:4]
-    settings = ev.EvalSettings(samples=2, temperature=1.0, max_thought_tokens=6, max_answer_tokens=6)
-    _, straight = ev.evaluate_task(tiny_policy, task, samples, settings, batch_size=3, progress=False)
+    settings = evaluation.EvalSettings(samples=2, temperature=1.0, max_thought_tokens=6, max_answer_tokens=6)
+    _, straight = evaluation.evaluate_task(tiny_policy, task, samples, settings, batch_size=3, progress=False)
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in straight[:4]))  # the first two samples done
-    _, resumed = ev.evaluate_task(tiny_policy, task, samples, settings, batch_size=3, records_path=path, progress=False)
+    _, resumed = evaluation.evaluate_task(tiny_policy, task, samples, settings, batch_size=3, records_path=path, progress=False)
     assert [(r["id"], r["sample_index"], r["thought"], r["answer"]) for r in resumed] == [
         (r["id"], r["sample_index"], r["thought"], r["answer"]) for r in straight
     ]

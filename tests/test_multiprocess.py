@@ -74,7 +74,7 @@ def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does
 def test_sharded_processes_train_a_mixture_with_text_only_micro_batches_as_one_process_does():
     """Grounding scenes (images) + code (text-only prompts): at some steps one process's micro-batch has no
     image while the other's has, so the vision tower runs on one process only unless it always runs
-    (policy.idle_vision_term); 4 steps, SGD. Planted and seen to fail: the vision call skipped on a text-only
+    (prompts.idle_vision_term); 4 steps, SGD. Planted and seen to fail: the vision call skipped on a text-only
     micro-batch (gloo aborts: "Received data size doesn't match expected size"; see also tests/fsdp_parts.py
     --mixed, which also makes one process's answers one token long)."""
     out = _check("--strategy", "fsdp", "--optimizers", "sgd", "--steps", "4", "--mixture")

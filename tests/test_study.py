@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlm_grpo_ma.tools import study
+from vlm_grpo_ma.tools import study, study_report, study_runs
 
 
 def _write_run(run_dir, rewards, step_seconds, tokens, noise=None, within=None, spikes=None, evals=(), start=0.3, right=None):
@@ -33,24 +33,24 @@ def _write_run(run_dir, rewards, step_seconds, tokens, noise=None, within=None, 
 
 
 def _grid(names, seeds=(0,)):
-    return study.Grid(tuple(study.Setting.parse(n) for n in names), tuple(seeds), steps=10, prompts_per_step=2,
+    return study_runs.Grid(tuple(study_runs.Setting.parse(n) for n in names), tuple(seeds), steps=10, prompts_per_step=2,
                       eval_every=5, eval_samples=2)
 
 
 def _summaries(grid, root):
-    held_out = study.held_out_metrics("grounding")
-    return [study.SettingSummary(s, [study.read_run(grid.run_dir(root, s, seed), "grounding", held_out) for seed in grid.seeds])
+    held_out = study_runs.held_out_metrics("grounding")
+    return [study_runs.SettingSummary(s, [study_runs.read_run(grid.run_dir(root, s, seed), "grounding", held_out) for seed in grid.seeds])
             for s in grid.settings]  # fmt: skip
 
 
 def test_crossing_step_interpolates_between_evaluations():
     steps, values = [0, 25, 50], [0.2, 0.3, 0.5]
-    assert study.crossing_step(steps, values, 0.4) == pytest.approx(37.5)
-    assert study.crossing_step(steps, values, 0.5) == pytest.approx(50.0)
-    assert study.crossing_step(steps, values, 0.1) == 0.0  # there from the start
-    assert study.crossing_step(steps, values, 0.6) is None
+    assert study_runs.crossing_step(steps, values, 0.4) == pytest.approx(37.5)
+    assert study_runs.crossing_step(steps, values, 0.5) == pytest.approx(50.0)
+    assert study_runs.crossing_step(steps, values, 0.1) == 0.0  # there from the start
+    assert study_runs.crossing_step(steps, values, 0.6) is None
     # a curve that dips: the first crossing counts
-    assert study.crossing_step([0, 10, 20, 30], [0.1, 0.5, 0.2, 0.6], 0.3) == pytest.approx(5.0)
+    assert study_runs.crossing_step([0, 10, 20, 30], [0.1, 0.5, 0.2, 0.6], 0.3) == pytest.approx(5.0)
 
 
 def test_wall_time_and_tokens_at_a_fractional_step(tmp_path):
@@ -84,7 +84,7 @@ def test_time_and_tokens_to_reach_the_reference_held_out_figure_hand_computed(tm
     assert grpo_ma.reach_per_seed("iou", 0.5) == pytest.approx([5.0, 2.0])
     assert short.reach("iou", 0.5)[0] is None and all(math.isnan(v) for v in short.reach_per_seed("iou", 0.5))
 
-    report = study.write_report(grid, tmp_path, task="grounding", command="python -m vlm_grpo_ma.study").read_text()
+    report = study_report.write_report(grid, tmp_path, task="grounding", command="python -m vlm_grpo_ma.study").read_text()
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in report.splitlines()
             if line.startswith("| T") and "GRPO" in line}  # fmt: skip
     assert rows["T16A1"][:9] == ["GRPO (flat, prompt baseline)", "0.300 -> 0.500 (0.500-0.500)", "0.15 -> 0.25 (0.25-0.25)",
@@ -97,8 +97,8 @@ def test_time_and_tokens_to_reach_the_reference_held_out_figure_hand_computed(tm
     assert "every seed of it reached the target before every seed of T16A1" in report
     assert "**T2A8** (GRPO-MA (thought baseline)) did not reach it" in report
     assert "| T4A4 | 0.60 -> 0.60 (0.60-0.60) | 0.600 -> 0.600 |" in report  # right thoughts: held-out, sampled
-    assert [point[:2] for point in study.noise_points([grpo_ma, short])] == [("T4A4", 4), ("T2A8", 8)]
-    assert [point[2] for point in study.noise_points([grpo_ma, short])] == pytest.approx([0.02, 0.01])
+    assert [point[:2] for point in study_report.noise_points([grpo_ma, short])] == [("T4A4", 4), ("T2A8", 8)]
+    assert [point[2] for point in study_report.noise_points([grpo_ma, short])] == pytest.approx([0.02, 0.01])
     linked = re.findall(r"!\[([^]]+)\]\(([^)]+)\)", report)
     assert {name for name, _ in linked} == {"heldout.png", "accuracy.png", "right_thoughts.png", "reward.png", "step_time.png",
                                             "spike_score.png", "noise_vs_m.png"}  # fmt: skip
@@ -111,7 +111,7 @@ def test_overlapping_seeds_are_called_noise(tmp_path):
     for seed, (ref_at, ma_at) in enumerate([(5, 10), (10, 5)]):  # each setting first on one seed
         _write_run(grid.run_dir(tmp_path, grid.settings[0], seed), [0.5] * 10, 1.0, 100, evals=[(ref_at, 0.5), (15 - ref_at, 0.5)])
         _write_run(grid.run_dir(tmp_path, grid.settings[1], seed), [0.5] * 10, 1.0, 100, evals=[(ma_at, 0.5), (15 - ma_at, 0.5)])
-    report = study.write_report(grid, tmp_path, task="grounding", command="python -m vlm_grpo_ma.study").read_text()
+    report = study_report.write_report(grid, tmp_path, task="grounding", command="python -m vlm_grpo_ma.study").read_text()
     assert "the seeds' own times overlap, so the difference is within seed noise" in report
 
 
@@ -121,16 +121,16 @@ def test_the_variance_section_and_setting(tmp_path):
     grid = _grid(["T16A1", "T4A4"])
     for setting in grid.settings:
         _write_run(grid.run_dir(tmp_path, setting, 0), [0.5] * 10, 1.0, 100, evals=[(5, 0.4), (10, 0.5)])
-    assert study.variance_setting(grid, None).name == "T4A4"
+    assert study_runs.variance_setting(grid, None).name == "T4A4"
     with pytest.raises(ValueError, match="K >= 2"):
-        study.variance_setting(_grid(["T1A4"]), None)
+        study_runs.variance_setting(_grid(["T1A4"]), None)
     with pytest.raises(ValueError, match="the grid has T16A1, T4A4"):
-        study.variance_setting(grid, "T8A2")
+        study_runs.variance_setting(grid, "T8A2")
     rewards = torch.rand(2, 4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     results = variance.measure(rewards, (1, 2), resamples=4, scale_by_std=True, eps=1e-6, unbiased=False)
     variance.write_outputs(results, {"run": "r", "checkpoint": "r@step-10", "prompts": 2, "thoughts": 4, "answers_per_thought": 8},
                            tmp_path / "variance", 4)  # fmt: skip
-    report = study.write_report(grid, tmp_path, task="grounding", command="c", report_dir=tmp_path / "docs").read_text()
+    report = study_report.write_report(grid, tmp_path, task="grounding", command="c", report_dir=tmp_path / "docs").read_text()
     assert "## The thought advantage's variance against M, measured" in report and variance.table(results) in report
     assert (tmp_path / "docs" / "variance.png").is_file() and (tmp_path / "docs" / "report.md").is_file()
 
@@ -138,7 +138,7 @@ def test_the_variance_section_and_setting(tmp_path):
 @pytest.mark.parametrize("name", ["T0A4", "4x4", "T4A", "t4a4"])
 def test_a_bad_setting_names_the_form(name):
     with pytest.raises(ValueError, match="T<K>A<M>"):
-        study.Setting.parse(name)
+        study_runs.Setting.parse(name)
 
 
 def test_cli_errors_name_the_bad_value(capsys):
@@ -157,7 +157,7 @@ def test_every_run_starts_from_the_config_file_with_the_grid_on_top(tmp_path, ca
     args = study.build_arg_parser().parse_intermixed_args(
         ["--settings", "T4A4", "--seeds", "1", "--config", str(config), "train.num_threads=1"])
     grid = study.grid_from_args(args)
-    study.run_grid(grid, tmp_path / "out", task="math", python=str(fake_python), log=lambda line: None)
+    study_runs.run_grid(grid, tmp_path / "out", task="math", python=str(fake_python), log=lambda line: None)
     command = (tmp_path / "commands").read_text().split()
     assert command[command.index("--config") + 1] == str(config)
     assert command.index("--config") < command.index("rollout.num_thoughts=4")  # the grid's overrides win
@@ -198,13 +198,13 @@ def test_equal_wall_time_and_equal_thought_count_comparisons(tmp_path):
     assert reference.runs[0].held_out_at_seconds("iou", 15.0) == pytest.approx(0.45)
     assert math.isnan(reference.runs[0].held_out_at_seconds("iou", 21.0))
     # T4A4 ends after 10 s at 0.48, where T16A1 stood at 0.40
-    assert study.equal_time(grpo_ma, reference, "iou") == (
+    assert study_report.equal_time(grpo_ma, reference, "iou") == (
         "At equal training wall time (10 s, T4A4's end) T4A4 stood at 0.480 against T16A1's 0.400: ahead of T16A1 on every seed.")
-    (line,) = study.equal_thoughts([reference, grpo_ma, grpo], reference, "iou")
+    (line,) = study_report.equal_thoughts([reference, grpo_ma, grpo], reference, "iou")
     assert line.startswith("- **T4A4 against T4A1** (the same 4 thoughts, 4 answers each instead of 1): after the same 10 steps "
                            "0.480 against 0.380, ahead of T4A1 on every seed. At equal training wall time (10 s, T4A1's end) "
                            "T4A1 stood at 0.380 against T4A4's 0.480: behind T4A4 on every seed.")  # fmt: skip
-    claims = "\n".join(study.claims([reference, grpo_ma, grpo], reference, None, "iou"))
+    claims = "\n".join(study_report.claims([reference, grpo_ma, grpo], reference, None, "iou"))
     assert "*What a step buys (T4A4).* After the same 10 steps its held-out iou is 0.480 against T16A1's 0.500" in claims
     assert "its step costs 0.50x T16A1's" in claims
 

@@ -1,4 +1,4 @@
-"""The ``hf`` rollout engine: the trainer's own model samples the tree (``policy.sample_tree``), so its
+"""The ``hf`` rollout engine: the trainer's own model samples the tree (``decode.sample_tree``), so its
 weights are always the trained ones and there is nothing to push."""
 
 from __future__ import annotations

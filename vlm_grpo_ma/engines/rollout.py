@@ -80,7 +80,7 @@ def generate_rollout(
     num_answers: int,
     settings: SamplingSettings,
 ) -> Rollout:
-    """The HF engine's rollout: ``policy.sample_tree`` (KV-branching decode loop) as a Rollout."""
+    """The HF engine's rollout: ``decode.sample_tree`` (KV-branching decode loop) as a Rollout."""
     tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=settings)
     return rollout_from_tree(policy, samples, prompts, tree, num_thoughts=num_thoughts, num_answers=num_answers)
 

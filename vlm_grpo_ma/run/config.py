@@ -59,7 +59,7 @@ class RolloutConfig:
     answer_stop: str = "</answer>"
     reward_workers: int = 8  # worker processes scoring answers (each reward call runs in one)
     reward_timeout_s: float = 30.0  # deadline of one reward call; past it: killed, scored 0, count/reward_timeouts
-    # What samples the K x M tree (vlm_grpo_ma/engines): hf (the KV-branching decode loop of policy.py, the
+    # What samples the K x M tree (vlm_grpo_ma/engines): hf (the KV-branching decode loop of engines/decode.py, the
     # default) or vllm (an in-process vLLM engine: `scripts/setup.sh --vllm`; one process only; docs/VLLM.md).
     engine: str = "hf"
     vllm_gpu_memory_utilization: float = 0.35  # the share of GPU memory the engine takes (weights + KV cache)

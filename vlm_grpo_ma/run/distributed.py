@@ -65,7 +65,7 @@ def _destroy_process_group() -> None:
 def ddp_settings():
     """How DDP wraps the scorer. Every trained parameter gets a gradient in every backward: frozen modules
     (the base under LoRA, a frozen vision tower) have requires_grad False, which DDP leaves out, and no module is
-    skipped (a micro-batch without images runs the vision tower on a blank image, ``policy.idle_vision_term``).
+    skipped (a micro-batch without images runs the vision tower on a blank image, ``prompts.idle_vision_term``).
     So DDP need not search the graph for unused parameters after every backward (``find_unused_parameters``
     off; a skipped trained parameter would make DDP raise at the next step, not train wrongly), and the
     gradients live in DDP's communication buckets (``gradient_as_bucket_view``) instead of a second copy."""

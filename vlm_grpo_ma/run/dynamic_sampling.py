@@ -1,7 +1,7 @@
 """DAPO's dynamic sampling (arXiv 2503.14476), the same whatever the number of processes.
 
 A prompt group whose K*M rewards are all equal carries no signal. With ``algorithm.dynamic_sampling`` the trainer
-draws the step again (``train.sample_step``) until the draws hold ``train.prompts_per_step`` informative groups or
+draws the step again (``loop.sample_step``) until the draws hold ``train.prompts_per_step`` informative groups or
 the extra draws run out; the step then trains the first informative groups in draw order, filled up with the
 first uninformative ones. Each process samples and scores its share of each draw; the groups' trees and scores
 are exchanged (``draw_groups``), so every process sees every group, makes the same decision and takes its share

@@ -2,7 +2,7 @@
 
 Qwen2.5-VL was trained to write absolute pixel coordinates on the *resized* image it was given (sides
 multiples of 28); Qwen2-VL and Qwen3-VL write coordinates relative to the image, scaled to 0-1000.
-The frame is decided once per model (``policy.coordinate_frame_for``), recorded on every Completion, and
+The frame is decided once per model (``loading.coordinate_frame_for``), recorded on every Completion, and
 every reward and metric converts through the two functions here, so a box is never converted twice or
 in two different ways.
 """

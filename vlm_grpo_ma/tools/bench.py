@@ -4,7 +4,7 @@
 
 The K x M rollout is timed two ways, side by side in one process, repeats interleaved (a, b, a, b, ...):
 
-(a) ``branched``: ``policy.sample_tree`` as the trainer runs it. B prompts are prefilled once (each image
+(a) ``branched``: ``decode.sample_tree`` as the trainer runs it. B prompts are prefilled once (each image
     through the vision tower once), K thoughts are decoded, the cache is repeated M times and the B*K*M
     answers continue from it.
 (b) ``re-encode``: what a trainer without branching does. The same stage-1 thought generation (the same
@@ -122,7 +122,7 @@ def reencode_answers(
     settings: SamplingSettings,
 ) -> tuple[list[list[int]], list[list[float]], torch.Tensor]:
     """M answers per thought, each row prefilled from scratch: prompt + image (vision tower per row) +
-    thought, then decoded with ``policy._decode`` (the same stop rules as ``sample_tree``).
+    thought, then decoded with ``decode._decode`` (the same stop rules as ``sample_tree``).
 
     Returns (answer ids [B*K*M], their sampling log-probs, the first-answer-token logits after the prefill
     [B*K*M, V]); rows are thought-major, ``t * M + m``, as in ``TreeSample``.

@@ -1,6 +1,6 @@
 """``python -m vlm_grpo_ma.bench rollout --engine hf,vllm``: the rollout engines (``rollout.engine``) side by side.
 
-Each engine samples the trainer's K x M tree (``engine.sample``, as ``train.sample_step`` calls it) from the same
+Each engine samples the trainer's K x M tree (``engine.sample``, as ``loop.sample_step`` calls it) from the same
 prompts with the same settings, in one process, repeats alternating (hf, vllm, hf, vllm, ...) so that load on
 the machine falls on both. Reported per engine and model: median seconds per tree, mean generated tokens per
 tree (an untrained model decodes to the limits, a trained one stops where it stops: compare seconds with the

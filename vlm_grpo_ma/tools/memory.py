@@ -21,7 +21,7 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   LoRA under bf16 autocast the adapters' bf16 casts are kept too. Gradient checkpointing (rows re-encode
   prompt + thought + answer: transformers drops the KV cache) keeps every layer's input and one layer's
   tensors at a time; without it the rows are tree-shared (each prompt and thought of the micro-batch encoded
-  once, ``policy.shared_prefix_logprobs``) and every layer's tensors of those tokens are kept. The log-prob
+  once, ``logprobs.shared_prefix_logprobs``) and every layer's tensors of those tokens are kept. The log-prob
   head: the scored positions' logits in the compute dtype, their fp32 copy, log-softmax and its gradient
   (3 x 4 bytes). A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
 - KV cache (the rollout's peak): keys and values of every layer for the process's prompts x (K x M + K) rows
@@ -141,7 +141,7 @@ def attention_bytes(arch: Architecture, cfg: Config, rows: int, context: int) ->
 
 
 def tree_shared_layer_bytes(arch: Architecture, cfg: Config, *, prompts: int, prompt_tokens: int, thoughts: int, thought_tokens: int, rows: int, answer_tokens: int) -> int:
-    """Bytes one decoder layer keeps in the tree-shared training forward (``policy.shared_prefix_logprobs``):
+    """Bytes one decoder layer keeps in the tree-shared training forward (``logprobs.shared_prefix_logprobs``):
     ``prompts`` prompts encoded once, ``thoughts`` thoughts once each on their prompt's cache, ``rows`` answers on
     their thought's (an answer's last token is not fed: it predicts nothing scored)."""
     answer_fed = max(answer_tokens - 1, 1)
