@@ -105,16 +105,43 @@ def pick_attn_implementation(requested: str) -> str:
     return "sdpa"
 
 
-def _checked_model_path(name_or_path: str, what: str) -> str:
-    """``tiny`` -> the embedded folder; a local-looking path must exist (hub ids pass through)."""
+def checked_model_path(name_or_path: str, what: str) -> str:
+    """``tiny`` -> the embedded folder; an existing folder as it is; a hub id (``owner/name``) that is in the
+    local Hugging Face cache or that the hub knows. Anything else is a FileNotFoundError of one line, at once:
+    a mistyped local path (``runs/nope``, whose ``runs/`` exists, or any path that is no hub id) must not turn
+    into a minute of download retries."""
     path = resolve_model_path(name_or_path)
-    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1
-    if looks_local and not Path(path).expanduser().exists():
-        raise FileNotFoundError(
-            f"{what} {name_or_path!r}: no such local folder (give a folder, a hub id like"
-            " Qwen/Qwen2.5-VL-3B-Instruct, or 'tiny' for the embedded model)"
-        )
-    return str(Path(path).expanduser()) if looks_local else path
+    hint = "give a folder, a hub id like Qwen/Qwen2.5-VL-3B-Instruct, or 'tiny' for the embedded model"
+    if Path(path).expanduser().is_dir():
+        return str(Path(path).expanduser())
+    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1 or Path(path.split("/")[0]).is_dir()
+    if looks_local:
+        raise FileNotFoundError(f"{what} {name_or_path!r}: no such local folder ({hint})")
+    problem = _hub_problem(path)
+    if problem:
+        raise FileNotFoundError(f"{what} {name_or_path!r}: no such local folder, and {problem} ({hint})")
+    return path
+
+
+def _hub_problem(repo_id: str) -> str | None:
+    """Why the hub model ``repo_id`` cannot be loaded, asked once with a short timeout (no retries); None when
+    it is in the local cache, or the hub has it (transformers then downloads it)."""
+    import huggingface_hub
+    from huggingface_hub.utils import HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return "it is not in the Hugging Face cache (HF_HUB_OFFLINE is set)"
+    try:
+        huggingface_hub.model_info(repo_id, timeout=10)
+    except RepositoryNotFoundError:
+        return "the Hugging Face hub has no model of that id (or it is private: log in with `hf auth login`)"
+    except HfHubHTTPError:
+        return None  # gated, rate-limited ...: from_pretrained says what it needs
+    except Exception as error:  # noqa: BLE001 - no network: DNS, connection and timeout errors of any client
+        return f"it is not in the Hugging Face cache and the hub cannot be reached ({type(error).__name__})"
+    return None
 
 
 def load_policy(
@@ -134,14 +161,14 @@ def load_policy(
     """
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    path = _checked_model_path(name_or_path, "model.name_or_path")
+    path = checked_model_path(name_or_path, "model.name_or_path")
     processor_path, adapter_dir = path, None
     if (Path(path) / "adapter_config.json").is_file():
         adapter_dir = Path(path)
         base = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base:
             raise ValueError(f"{adapter_dir / 'adapter_config.json'} names no base_model_name_or_path")
-        path = _checked_model_path(base, f"base model of the LoRA adapter {adapter_dir}:")
+        path = checked_model_path(base, f"base model of the LoRA adapter {adapter_dir}:")
         if (Path(path) / "adapter_config.json").is_file():
             raise ValueError(f"the base model of {adapter_dir} is itself an adapter ({path}); merge it first")
         # a checkpoint saves the processor next to the adapter; a bare adapter folder uses the base's

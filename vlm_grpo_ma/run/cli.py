@@ -6,10 +6,12 @@ import argparse
 import os
 import sys
 
+from vlm_grpo_ma.model.loading import checked_model_path
 from vlm_grpo_ma.run import survive
 from vlm_grpo_ma.run.config import ConfigError, load_config
 from vlm_grpo_ma.run.distributed import process_group_left_at_the_end
 from vlm_grpo_ma.run.loop import train
+from vlm_grpo_ma.run.run_dir import resumed_settings
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules
 
 
@@ -26,6 +28,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overwrite", action="store_true", help="delete the outputs of an earlier run in the run directory first"
     )
+    parser.add_argument(
+        "--allow-changes", action="store_true",
+        help="with --resume: let the command line change what the run is (task, model, K, M, estimator, seed ...)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
     return parser
 
@@ -41,11 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg = load_config(args.config, overrides)
+        if args.resume:  # the run's own settings, the command line over them
+            cfg = resumed_settings(cfg, args.config, overrides, allow_changes=args.allow_changes)
+        elif args.allow_changes:
+            raise ConfigError("--allow-changes goes with --resume (a new run has nothing to change)")
         if args.task and cfg.data.tasks:
             raise ConfigError(f"--task {args.task} and data.tasks {cfg.data.tasks} both name the tasks; give one")
         import_task_modules(cfg.data.task_modules)
         for name in cfg.task_weights:
             get_task(name)
+        if not args.resume:  # a resume loads its checkpoint's model
+            checked_model_path(cfg.model.name_or_path, "model.name_or_path")  # a mistyped path: now, in one line
     except (ConfigError, KeyError, FileNotFoundError) as error:  # KeyError: an unknown task name
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2

@@ -147,7 +147,7 @@ class TrainConfig:
     # looks normal). No "off" value: a large one (1e9) leaves the gradients as they are.
     max_grad_norm: float = 1.0
     seed: int = 0  # 0 .. max_seed(steps), about 1.84e7: the sampling seeds must fit in 64 bits
-    output_dir: str = "runs/grounding-tiny"
+    output_dir: str | None = None  # None: runs/<task>-<model> (default_output_dir), e.g. runs/grounding-tiny
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     num_threads: int = 0  # torch CPU threads; 0 = torch's default
@@ -294,6 +294,22 @@ def _get(cfg: Config, dotted: str) -> Any:
     return getattr(getattr(cfg, section), key)
 
 
+def model_label(name_or_path: str) -> str:
+    """A short name of a model for folder names: ``tiny``, a folder's or hub id's last part, or ``RUN-step-N``
+    for a checkpoint's model folder."""
+    path = Path(name_or_path.rstrip("/"))
+    if path.name == "model" and path.parent.parent.name == "checkpoints":
+        return f"{path.parent.parent.parent.name}-{path.parent.name}"
+    return path.name or name_or_path
+
+
+def default_output_dir(cfg: Config) -> str:
+    """``runs/<task>-<model>`` (a mixture: its tasks joined by ``+``), so runs of other tasks or models do not
+    land in one folder."""
+    tasks = "+".join(sorted(cfg.data.tasks)) if cfg.data.tasks else cfg.data.task
+    return f"runs/{tasks}-{model_label(cfg.model.name_or_path)}"
+
+
 def validate(cfg: Config) -> Config:
     # NaN passes neither `> 0` nor `>= 0` but inf passes both; an infinite learning rate, reward or task weight
     # would train on NaN weights (or on one task only), so every number must be finite.
@@ -394,6 +410,8 @@ def validate(cfg: Config) -> Config:
     for name, weight in cfg.data.reward_weights.items():
         if not isinstance(weight, (int, float)):
             raise ConfigError(f"data.reward_weights.{name}={weight!r} must be a number")
+    if cfg.train.output_dir is None:
+        cfg.train.output_dir = default_output_dir(cfg)
     return cfg
 
 
@@ -505,27 +523,50 @@ def _deep_update(base: dict, extra: dict) -> dict:
     return base
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def config_file_values(path: str | Path) -> dict[str, Any]:
+    """The sections of a YAML config file, unvalidated; ConfigError naming the file (and line) when it is
+    missing, not YAML, not UTF-8 or not a mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({_yaml_problem(error)})") from None
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections")
+    return values
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, base: str | Path | None = None) -> Config:
+    """The defaults, then ``base`` (a resumed run's own config.yaml), then the file ``path``, then the dotted
+    ``overrides``, each over the one before; validated."""
     values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-            raise ConfigError(f"{where}: not valid YAML ({_yaml_problem(error)})") from None
-        except UnicodeDecodeError as error:
-            line = path.read_bytes()[: error.start].count(b"\n") + 1
-            raise ConfigError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections")
+    for file in (base, path):
+        if file is not None:
+            _deep_update(values, config_file_values(file))
     for text in overrides or []:
         _deep_update(values, parse_override(text))
     return validate(merge(Config(), values))
 
 
-def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+def flat_settings(cfg: Config) -> dict[str, Any]:
+    """``{"section.key": value}`` of every setting."""
+    return {f"{section}.{key}": value for section, values in cfg.to_dict().items() for key, value in values.items()}
+
+
+def changed_settings(before: Config, after: Config) -> dict[str, tuple[Any, Any]]:
+    """``{"section.key": (before, after)}`` of the settings that differ."""
+    old, new = flat_settings(before), flat_settings(after)
+    return {key: (old[key], new[key]) for key in old if old[key] != new[key]}
+
+
+def save_config(cfg: Config, path: Path, *, history: list[str] = ()) -> None:
+    """``cfg`` as YAML, after ``history`` as comment lines (what each resume changed, and when)."""
+    comments = "".join(f"# {line}\n" for line in history)
+    path.write_text(comments + yaml.safe_dump(cfg.to_dict(), sort_keys=False))

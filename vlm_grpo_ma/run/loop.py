@@ -36,6 +36,9 @@ from vlm_grpo_ma.task_api.registry import get_task
 from vlm_grpo_ma.task_api.streams import PromptStream
 
 log = logging.getLogger("vlm_grpo_ma.train")
+# Steps in a row whose every group had equal rewards (no advantage, nothing trains) before the run says so.
+NO_SIGNAL_PATIENCE = 3
+NO_SIGNAL_HELP = "the model may not solve this task yet: see docs/TASKS.md, 'Will my task learn?'"
 
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
@@ -49,14 +52,26 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             run.logger.log_step(0, held_out, advance=False)
             run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
     step, guard, completed = run.start_step, UpdateGuard(), run.completed_state()
+    steps_in_a_row_without_signal = 0
     # SIGTERM saves and stops like Ctrl-C (exit code 143); several processes stop together (survive.together)
     restore_sigterm = survive.raise_on_sigterm(accelerator.num_processes)
     try:
         while step < cfg.train.steps:
             started = time.perf_counter()
             prompts, rollout, scored, rollout_seconds = sample_step(run, step)
+            # groups whose K*M rewards are all equal: every advantage 0, nothing learned from them
+            scored.counters["groups_without_signal"] += int((~informative_prompts(scored.rewards)).sum())
             step_counts = sum_over_processes(accelerator, scored.counters)
             counters.update(step_counts)
+            without_signal = step_counts["groups_without_signal"] == cfg.train.prompts_per_step
+            counters["steps_without_signal"] += int(without_signal)
+            steps_in_a_row_without_signal = steps_in_a_row_without_signal + 1 if without_signal else 0
+            if steps_in_a_row_without_signal == min(NO_SIGNAL_PATIENCE, cfg.train.steps - run.start_step):
+                log.warning(
+                    "no learning signal: all %d groups had equal rewards in each of the last %d steps, so every"
+                    " advantage is 0 and nothing trains; %s", cfg.train.prompts_per_step, steps_in_a_row_without_signal,
+                    NO_SIGNAL_HELP,
+                )  # fmt: skip
             with survive.together(accelerator):  # a non-finite input on any process stops every process here
                 thought_adv, answer_adv = compute_advantages(
                     cfg.algorithm.advantage_estimator, scored.rewards, answer_baseline=cfg.algorithm.answer_baseline,
@@ -101,7 +116,11 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     finally:
         restore_sigterm()
         run.logger.close()
-    return write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
+    summary = write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
+    if counters["steps_without_signal"] and accelerator.is_main_process:
+        print(f"no learning signal in {counters['steps_without_signal']} of {step} steps (every group's rewards"
+              f" equal, so nothing trained in those steps); {NO_SIGNAL_HELP}", flush=True)  # fmt: skip
+    return summary
 
 
 def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout, ScoredRollout, float]:

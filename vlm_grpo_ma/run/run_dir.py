@@ -3,6 +3,7 @@ resume continues from, and the summary written at the end."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -10,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from vlm_grpo_ma.run import checkpoint as ckpt
-from vlm_grpo_ma.run.config import ConfigError
+from vlm_grpo_ma.run.config import Config, ConfigError, changed_settings, load_config
 from vlm_grpo_ma.run.metrics import format_summary, read_metrics, summarize
 from vlm_grpo_ma.run.trackers import TRACKER_OUTPUTS
 
@@ -44,6 +45,61 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool 
         else:
             path.unlink()
     log.info("--overwrite: deleted %s from %s", ", ".join(found), run_dir)
+
+
+CONFIG_FILE = "config.yaml"
+# Settings that make a run another run: a resume that changes one is refused unless --allow-changes says so.
+RUN_DEFINING_KEYS = (
+    "data.task", "data.tasks", "data.source", "data.sources", "model.name_or_path", "model.lora_rank",
+    "rollout.num_thoughts", "rollout.num_answers", "algorithm.advantage_estimator", "algorithm.answer_baseline",
+    "algorithm.policy_loss", "algorithm.loss_aggregation", "train.prompts_per_step", "train.seed",
+)  # fmt: skip
+
+
+def resumed_settings(cfg: Config, config_file: str | None, overrides: list[str], *, allow_changes: bool) -> Config:
+    """The settings a ``--resume`` continues with: the run's own ``config.yaml``, then what the command line
+    names (``config_file`` and ``overrides``) over it; ``cfg`` (the command line over the defaults) only
+    says which folder, and is returned as it is when that folder holds no saved run. A change to a
+    ``RUN_DEFINING_KEYS`` setting is refused, naming it, unless ``allow_changes``."""
+    run_dir = Path(cfg.train.output_dir)
+    saved = run_dir / CONFIG_FILE
+    if not saved.is_file():
+        return cfg
+    try:
+        before = load_config(saved)
+        after = load_config(config_file, [*overrides, f"train.output_dir={run_dir}"], base=saved)
+    except ConfigError as error:
+        raise ConfigError(f"--resume: the run's own {saved}: {error}") from None
+    changed = {key: values for key, values in changed_settings(before, after).items() if key != "train.output_dir"}
+    defining = [key for key in changed if key in RUN_DEFINING_KEYS]
+    if defining and not allow_changes:
+        listed = "; ".join(f"{key}={changed[key][1]!r} (the run has {changed[key][0]!r})" for key in defining)
+        raise ConfigError(
+            f"--resume continues the run in {run_dir} with its own settings, and this command changes what the run is: "
+            f"{listed}. Resume without changing it, start a new run in another --output-dir, or add --allow-changes "
+            "to change it anyway (recorded in config.yaml)"
+        )
+    return after
+
+
+def resume_history(run_dir: Path, cfg: Config, start_step: int) -> list[str]:
+    """The comment lines of the run's ``config.yaml`` (one per resume) with this resume's line added: the UTC
+    time, the step it continues from, and each setting it changed (``key: before -> after``); logged too."""
+    saved = run_dir / CONFIG_FILE
+    if not saved.is_file():
+        return []
+    lines = saved.read_text(encoding="utf-8").splitlines()
+    history = [line[2:] for line in lines if line.startswith("# ")]
+    try:
+        before = load_config(saved)
+    except ConfigError:  # resumed_settings read it; a run started from train() directly may have left anything
+        before = None
+    changed = {} if before is None else {k: v for k, v in changed_settings(before, cfg).items() if k != "train.output_dir"}
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    what = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()) or "no setting changed"
+    for key in changed:
+        (log.warning if key in RUN_DEFINING_KEYS else log.info)("--resume changes %s: %r -> %r", key, *changed[key])
+    return [*history, f"resumed {when} at step {start_step}: {what}"]
 
 
 def checkpoint_to_resume(run_dir: Path, resume: bool) -> tuple[Path | None, dict | None]:

@@ -29,7 +29,7 @@ from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
 from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
-from vlm_grpo_ma.run.run_dir import checkpoint_to_resume, claim_run_dir
+from vlm_grpo_ma.run.run_dir import CONFIG_FILE, checkpoint_to_resume, claim_run_dir, resume_history
 from vlm_grpo_ma.run.trackers import check_trackers, open_trackers, run_params
 from vlm_grpo_ma.run.update import score_rows
 from vlm_grpo_ma.task_api.registry import Sample, Task, count_load_skips, get_task, import_task_modules
@@ -111,14 +111,20 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
         else:
             optimizer.load_state_dict(history_state["optimizer"])
         scheduler.load_state_dict(history_state["scheduler"])
-        stream.load_state_dict(history_state["data"])
+        try:
+            stream.load_state_dict(history_state["data"])
+        except ValueError as error:  # another task or data source than the checkpoint's (--allow-changes)
+            raise ConfigError(
+                f"--resume from {last}: {error}. The data position cannot carry over to other data; to train on it"
+                f" from these weights, start a new run with model.name_or_path={last / 'model'}"
+            ) from None
         ckpt.set_rng_state(history_state["rng"])
         if "spikes" in history_state:
             spikes.load_state_dict(history_state["spikes"])
         log.info("resumed from %s at step %d", last, start_step)
 
     if accelerator.is_main_process:
-        save_config(cfg, run_dir / "config.yaml")
+        save_config(cfg, run_dir / CONFIG_FILE, history=resume_history(run_dir, cfg, start_step) if resume else [])
         drop_records_after(run_dir, start_step)  # a resumed run logs the steps after its checkpoint again
         log.info(
             "model %s (%s, %d parameters, attention %s, coordinate frame %s); tasks %s with %d samples; "

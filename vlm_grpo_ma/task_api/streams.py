@@ -46,6 +46,8 @@ class PromptStream:
         return {"position": self.position, "seed": self.seed, "num_samples": len(self.samples)}
 
     def load_state_dict(self, state: dict) -> None:
+        if "num_samples" not in state:
+            raise ValueError(f"the checkpoint's data mixed tasks {sorted(state.get('streams', {}))}, this run draws one task")
         if state["num_samples"] != len(self.samples):
             raise ValueError(
                 f"the checkpoint's data had {state['num_samples']} samples, this run loads {len(self.samples)}:"

@@ -9,7 +9,7 @@ Decoding is greedy by default; ``--samples N`` samples N answers per prompt (eac
 ``--temperature`` and reports pass@k with the unbiased estimator. Per sample, the records go to a JSONL as
 they are made, so an interrupted evaluation resumes where it stopped when the same command is run again.
 
-Outputs under ``--output-dir``: ``<model>/<task>-<split>/samples.jsonl`` (id, thought, answer, parsed
+Outputs under ``--output-dir`` (default ``evals/<models>--<tasks>``): ``<model>/<task>-<split>/samples.jsonl`` (id, thought, answer, parsed
 prediction, reward parts), ``.../draw/*.png`` (prediction in red, truth in green, for tasks that draw),
 ``results.json`` and ``results.md`` (one column per model). Training calls ``evaluate_task`` (the same code)
 every ``train.eval_every`` steps.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from vlm_grpo_ma.model.loading import Policy, load_policy
+from vlm_grpo_ma.model.loading import Policy, checked_model_path, load_policy
 from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
@@ -65,7 +65,8 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
         return ModelSpec(f"{path.resolve().parent.parent.name}@{path.name}", str(path / "model"))
     if path.exists():
         return ModelSpec(path.resolve().name, str(path))
-    return ModelSpec(spec.replace("/", "__"), spec)  # a hub id: load_policy says if it cannot be found
+    checked_model_path(spec, "--models")  # a mistyped folder or an unknown hub id: one line, at once
+    return ModelSpec(spec.replace("/", "__"), spec)
 
 
 def _task_sources(pairs: Sequence[str], tasks: Sequence[str]) -> dict[str, str]:
@@ -170,6 +171,11 @@ def _check_settings(path: Path, settings: EvalSettings, model: ModelSpec, num_sa
         path.write_text(json.dumps(identity, indent=2))
 
 
+def default_output_dir(models: Sequence[ModelSpec], tasks: Sequence[str]) -> Path:
+    """``evals/<model labels>--<tasks>``, each list joined by ``+``."""
+    return Path("evals") / f"{'+'.join(m.label for m in models)}--{'+'.join(tasks)}"
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vlm_grpo_ma.evaluate",
@@ -193,7 +199,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draw", type=int, default=8, help="images to draw per model and task (default 8)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    parser.add_argument("--output-dir", default="evals/latest", help="where results go (default: evals/latest)")
+    parser.add_argument("--output-dir", help="where results go (default: evals/<models>--<tasks>, so an evaluation of"
+                        " other models or tasks keeps the earlier results, and the same command resumes)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
@@ -216,14 +223,15 @@ def main(argv: list[str] | None = None) -> int:
             get_task(name)
         sources = _task_sources(args.source, args.tasks)
         models = [resolve_model(spec, args.step) for spec in args.models]
+        output_dir = Path(args.output_dir) if args.output_dir else default_output_dir(models, args.tasks)
         payload = evaluate_models(
             models, args.tasks, split=args.split, sources=sources, settings=settings,
-            output_dir=Path(args.output_dir), limit=args.limit, batch_size=args.batch_size, draw=args.draw,
+            output_dir=output_dir, limit=args.limit, batch_size=args.batch_size, draw=args.draw,
             dtype=args.dtype, progress=not args.no_progress,
         )
     except (ValueError, KeyError, OSError) as error:  # bad arguments, unknown task, missing file or model
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
     print(results_table(payload["results"]), end="")
-    print(f"results: {Path(args.output_dir) / 'results.json'}")
+    print(f"results: {output_dir / 'results.json'}")
     return 0
