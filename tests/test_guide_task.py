@@ -14,6 +14,14 @@ from vlm_grpo_ma.tools import evaluate as ev
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "TASKS.md"
 
 
+REPO = GUIDE.parents[1]
+
+
+@pytest.fixture(autouse=True)
+def from_the_repository_root(monkeypatch):
+    monkeypatch.chdir(REPO)  # the example reads the embedded scenes from there, as the guide says
+
+
 @pytest.fixture(scope="module")
 def task_file(tmp_path_factory):
     section = GUIDE.read_text().split("## A task on the embedded scenes", 1)[1]
@@ -49,3 +57,20 @@ def test_the_example_task_trains_and_evaluates_from_the_command_line(task_file, 
     assert ev.main(["--models", str(run), "--tasks", "count_shapes", "--task-module", str(task_file), "--limit", "2",
                     "--max-thought-tokens", "4", "--max-answer-tokens", "4", "--output-dir", str(tmp_path / "e"),
                     "--no-progress"]) == 0
+
+
+def test_the_guides_examples_import_only_the_task_api():
+    """The README promises a task imports only vlm_grpo_ma.task_api (planted: the example's old
+    ``from tasks.grounding import DATA_DIR``; the test failed naming it)."""
+    import ast
+
+    blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.S)
+    assert len(blocks) >= 2
+    ours = []
+    for block in blocks:
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom):
+                ours += [node.module] if node.module.split(".")[0] in ("tasks", "vlm_grpo_ma") else []
+            elif isinstance(node, ast.Import):
+                ours += [a.name for a in node.names if a.name.split(".")[0] in ("tasks", "vlm_grpo_ma")]
+    assert ours and set(ours) == {"vlm_grpo_ma.task_api"}

@@ -135,8 +135,38 @@ def test_two_third_party_packages_with_one_task_name(tmp_path, monkeypatch, fres
 
 
 def test_a_duplicate_registered_directly_is_refused_naming_the_module(fresh_registry):
-    with pytest.raises(ValueError, match=r"task 'math' from module test_task_api is already registered by .*tasks\.math"):
+    with pytest.raises(ValueError, match=r"task 'math' from module test_task_api \(.*test_task_api\.py\) is already registered by .*tasks\.math"):
         task_api.register_task(task_api.Task(name="math", load=list, reward=test_a_duplicate_registered_directly_is_refused_naming_the_module, instruction=""))
+
+
+def test_a_task_from_a_file_and_from_a_package_collides_naming_the_file(tmp_path, monkeypatch, fresh_registry):
+    """A file named in data.task_modules is imported under a made-up module name; the duplicate-name error names
+    the file. Planted: the source as the module name alone; the file's path was missing from the message."""
+    install_dist(tmp_path / "pkg", "colour_pkg", {"colour_tp": "colour_mod"}, {"colour_mod": echo_task("colour_tp")}, monkeypatch)
+    task_file = tmp_path / "mine" / "colour_task.py"
+    task_file.parent.mkdir()
+    task_file.write_text(echo_task("colour_tp"))
+    registry.import_task_modules([str(task_file)])
+    monkeypatch.delitem(sys.modules, "user_task_colour_task")
+    with pytest.raises(ValueError) as error:
+        list_tasks()
+    message = str(error.value)
+    assert message.startswith("task 'colour_tp' from entry point colour_tp = 'colour_mod'")
+    assert f"is already registered by module user_task_colour_task ({task_file})" in message
+
+
+def test_a_sample_of_another_task_name_is_refused_naming_the_task_and_sample(fresh_registry):
+    """The core looks each sample's task up by ``Sample.task``; a loader that writes another name (a typo)
+    failed mid-run with a KeyError. Planted: no check in load_samples; the test failed."""
+    def load(split="train", source=None):
+        return [task_api.Sample("colour", "s0", "q", (), "red"), task_api.Sample("color", "s1", "q", (), "red")]
+
+    task = task_api.register_task(task_api.Task(name="colour", load=load, reward=test_the_core_imports_no_task_by_name, instruction=""))
+    with pytest.raises(ValueError, match=r"^task 'colour' \(module test_task_api \(.*\)\): load\('test'\) returned sample 's1' with "
+                                         r"task='color'; Sample.task must be the task's name, 'colour'$"):
+        registry.load_samples(task, "test")
+    with pytest.raises(ValueError, match="returned a tuple; it must return a list of Sample"):
+        registry.load_samples(task_api.Task(name="x", load=lambda split, source=None: (), reward=len, instruction=""), "train")
 
 
 def test_the_core_imports_no_task_by_name():

@@ -11,7 +11,7 @@ from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.run import sharding, survive
 from vlm_grpo_ma.run.config import Config, ConfigError
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, generate_records, summarize_records
-from vlm_grpo_ma.task_api.registry import Sample, Task
+from vlm_grpo_ma.task_api.registry import Sample, Task, load_samples
 
 
 def load_eval_sets(cfg: Config, tasks: dict[str, Task]) -> dict[str, tuple[Task, list[Sample]]]:
@@ -23,7 +23,7 @@ def load_eval_sets(cfg: Config, tasks: dict[str, Task]) -> dict[str, tuple[Task,
     for name, task in tasks.items():
         source = cfg.data.eval_sources.get(name)
         try:
-            samples = task.load(cfg.data.eval_split, source)
+            samples = load_samples(task, cfg.data.eval_split, source)
         except (FileNotFoundError, ValueError) as error:
             raise ConfigError(
                 f"evaluation data of task {name} (data.eval_split={cfg.data.eval_split} data.eval_sources: {source}): {error}"

@@ -32,7 +32,14 @@ from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
 from vlm_grpo_ma.run.run_dir import CONFIG_FILE, checkpoint_to_resume, claim_run_dir, resume_history
 from vlm_grpo_ma.run.trackers import check_trackers, open_trackers, run_params
 from vlm_grpo_ma.run.update import score_rows
-from vlm_grpo_ma.task_api.registry import Sample, Task, count_load_skips, get_task, import_task_modules
+from vlm_grpo_ma.task_api.registry import (
+    Sample,
+    Task,
+    count_load_skips,
+    get_task,
+    import_task_modules,
+    load_samples,
+)
 from vlm_grpo_ma.task_api.streams import PromptStream, TaskMixture
 
 log = logging.getLogger("vlm_grpo_ma.train")
@@ -255,7 +262,7 @@ def load_prompt_stream(cfg: Config) -> tuple[dict[str, Task], PromptStream | Tas
     for name, task in tasks.items():
         source = cfg.task_source(name)
         try:
-            streams[name] = PromptStream(task.load(cfg.data.split, source), seed=cfg.train.seed)
+            streams[name] = PromptStream(load_samples(task, cfg.data.split, source), seed=cfg.train.seed)
         except (FileNotFoundError, ValueError) as error:
             raise ConfigError(f"data.task={name} data.split={cfg.data.split} data.source={source}: {error}") from error
     if not cfg.data.tasks:

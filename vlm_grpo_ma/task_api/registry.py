@@ -116,10 +116,18 @@ class DuplicateTaskError(ValueError):
     """Two tasks of one name."""
 
 
+def _defined_in(task: Task) -> str:
+    """Where ``task`` was written: the file of the module that defines its reward (a file named in
+    ``data.task_modules`` is imported under a made-up module name, which would tell a user nothing)."""
+    module_name = getattr(task.reward, "__module__", None) or "(unknown)"
+    file = getattr(sys.modules.get(module_name), "__file__", None)
+    return f"module {module_name} ({file})" if file else f"module {module_name}"
+
+
 def register_task(task: Task) -> Task:
     """Add ``task`` to the registry and return it. A second task of the same name raises ValueError naming
-    where each came from (an entry point, or the module that defines the task's reward)."""
-    source = _loading_entry_point or f"module {getattr(task.reward, '__module__', None) or '(unknown)'}"
+    where each came from (an entry point, or the module and file that define the task's reward)."""
+    source = _loading_entry_point or _defined_in(task)
     if task.name in _TASKS:
         raise DuplicateTaskError(
             f"task {task.name!r} from {source} is already registered by {_SOURCES[task.name]}; "
@@ -128,6 +136,25 @@ def register_task(task: Task) -> Task:
     _TASKS[task.name] = task
     _SOURCES[task.name] = source
     return task
+
+
+def load_samples(task: Task, split: str, source: str | None = None) -> list[Sample]:
+    """``task.load(split, source)``, checked: a list of ``Sample`` whose ``task`` is the task's name (the core
+    looks each sample's task up by it). ValueError naming the task, where it is defined and the first bad
+    sample; FileNotFoundError and ValueError of the loader pass through."""
+    samples = task.load(split, source)
+    where = f"task {task.name!r} ({_SOURCES.get(task.name) or _defined_in(task)}): load({split!r})"
+    if not isinstance(samples, list):
+        raise ValueError(f"{where} returned a {type(samples).__name__}; it must return a list of Sample")
+    for sample in samples:
+        if not isinstance(sample, Sample):
+            raise ValueError(f"{where} returned a {type(sample).__name__} among its samples; each must be a Sample")
+        if sample.task != task.name:
+            raise ValueError(
+                f"{where} returned sample {sample.id!r} with task={sample.task!r}; Sample.task must be the task's "
+                f"name, {task.name!r}"
+            )
+    return samples
 
 
 def get_task(name: str) -> Task:

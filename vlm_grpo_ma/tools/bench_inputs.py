@@ -17,7 +17,7 @@ from vlm_grpo_ma.model.loading import Policy, load_policy
 from vlm_grpo_ma.model.prompts import EncodedPrompt, encode_prompt, open_image
 from vlm_grpo_ma.model.tiny import SIZES, TINY_MODEL_NAME, build_untrained
 from vlm_grpo_ma.run.config import RolloutConfig
-from vlm_grpo_ma.task_api.registry import get_task
+from vlm_grpo_ma.task_api.registry import get_task, load_samples
 
 EMBEDDED = "embedded"  # the shipped warm-started model
 BENCH_MODELS = (EMBEDDED, *SIZES)  # then untrained models of each size of vlm_grpo_ma.model.tiny
@@ -54,7 +54,7 @@ def bench_prompts(policy: Policy, num_prompts: int, *, image_size: int | None = 
 def bench_samples(num_prompts: int, *, image_size: int | None = None) -> list:
     """The samples ``bench_prompts`` encodes."""
     task = get_task("grounding")
-    samples = task.load("test")[:num_prompts]
+    samples = load_samples(task, "test")[:num_prompts]
     if len(samples) < num_prompts:
         raise ValueError(f"the grounding test split has {len(samples)} samples, fewer than {num_prompts}")
     if image_size:

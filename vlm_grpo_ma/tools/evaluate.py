@@ -31,7 +31,7 @@ from vlm_grpo_ma.model.loading import Policy, checked_model_path, load_policy
 from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
-from vlm_grpo_ma.task_api.registry import get_task, import_task_modules
+from vlm_grpo_ma.task_api.registry import get_task, import_task_modules, load_samples
 
 log = logging.getLogger("vlm_grpo_ma.evaluate")
 
@@ -131,7 +131,7 @@ def evaluate_models(
     data = {}
     for name in task_names:
         task = get_task(name)
-        samples = task.load(split, sources.get(name))
+        samples = load_samples(task, split, sources.get(name))
         data[name] = (task, samples[:limit] if limit else samples)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for model in models:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from vlm_grpo_ma.algorithm.advantages import grpo_ma_advantages
+from vlm_grpo_ma.task_api.registry import load_samples
 
 DEFAULT_ANSWERS = (1, 2, 4, 8, 16)
 DEFAULT_RESAMPLES = 32
@@ -182,7 +183,7 @@ def sample_rewards(run_dir: Path, *, step: int | None, prompts: int, thoughts: i
     policy.model.eval()
     task_name = cfg.data.task if not cfg.data.tasks else sorted(cfg.data.tasks)[0]
     task = get_task(task_name)
-    samples = task.load(cfg.data.eval_split, cfg.data.eval_sources.get(task_name))[:prompts]
+    samples = load_samples(task, cfg.data.eval_split, cfg.data.eval_sources.get(task_name))[:prompts]
     rows, rights, distinct = [], [], []
     for index, sample in enumerate(tqdm(samples, desc="prompts", disable=not progress)):
         settings = dataclasses.replace(sampling_settings(cfg, 0, 0, 1), generators=prompt_generators(seed, index, 1))
