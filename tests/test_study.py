@@ -215,3 +215,20 @@ def test_every_image_a_committed_report_links_is_committed(report):
     linked = re.findall(r"!\[[^]]*\]\(([^)]+)\)", report.read_text())
     assert linked and all((report.parent / name).is_file() for name in linked), [n for n in linked if not (report.parent / n).is_file()]
     assert report.read_text().startswith("# GRPO-MA study\n\nCommand: `python -m vlm_grpo_ma.study ")
+
+
+def test_a_short_study_says_what_it_cannot_tell(tmp_path):
+    """Two steps, as ``--quick`` runs: the held-out figure never moves from the start, and no step is past the
+    spike window. The report said 'reached it at step 0, in n/ax T16A1's wall time' and called unknown spike
+    scores 'not reached'. Planted back (the old text), both assertions failed."""
+    grid = _grid(["T16A1", "T4A4"], seeds=(0, 1))
+    for setting in grid.settings:
+        for seed in grid.seeds:
+            _write_run(grid.run_dir(tmp_path, setting, seed), [0.5, 0.5], 1.0, 50, evals=[(2, 0.3)], start=0.3)
+    reference, grpo_ma = _summaries(grid, tmp_path)
+    (line,) = study_report.verdict([reference, grpo_ma], reference, "iou", reference.eval_curve("iou")[-1])
+    assert line.startswith("- **T4A4** (GRPO-MA (thought baseline)) stood at it from step 0, before any training, so there is no time to compare.")
+    assert "n/a" not in line
+    claims = "\n".join(study_report.claims([reference, grpo_ma], reference, None, "iou"))
+    assert f"Spike score T16A1 {study_report.NO_SPIKE_SCORE}; T4A4 {study_report.NO_SPIKE_SCORE}." in claims
+    assert "not reached" not in claims

@@ -48,7 +48,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         epilog="Extra train overrides (section.key=value) apply to every run of the grid. Run the same command again "
         "to resume: finished runs are kept.",
     )
-    parser.add_argument("--quick", action="store_true", help="a tiny grid (2 settings, 2 seeds, 4 steps) for tests")
+    parser.add_argument("--quick", action="store_true", help="a tiny grid (2 settings, 2 seeds, 2 steps) for tests")
     parser.add_argument("--settings", nargs="+", help=f"T<K>A<M> settings (default: {DEFAULT_GRID['settings']})")
     parser.add_argument("--seeds", type=int, help=f"number of seeds, 0..N-1 (default {DEFAULT_GRID['seeds']})")
     parser.add_argument("--steps", type=int, help=f"training steps per run (default {DEFAULT_GRID['steps']})")

@@ -21,12 +21,17 @@ from vlm_grpo_ma.tools.study_runs import (
 # The report
 
 
-def _spread(values: list[float], spec: str) -> str:
+# A spike score needs a spike ratio, which needs the window's grad norms first (GradSpikeMonitor).
+NO_SPIKE_SCORE = "n/a (no step past the spike window)"
+
+
+def _spread(values: list[float], spec: str, missing: str = "not reached") -> str:
+    """min-max of the seeds' values; ``missing`` names what NaN means (a target not reached, a score unknown)."""
     known = [v for v in values if not math.isnan(v)]
     if not known:
-        return "not reached"
+        return missing
     text = "-".join(format(v, spec) for v in (min(known), max(known))) if len(known) > 1 else format(known[0], spec)
-    return text + ("" if len(known) == len(values) else f"; {len(values) - len(known)} of {len(values)} seeds not reached")
+    return text + ("" if len(known) == len(values) else f"; {len(values) - len(known)} of {len(values)} seeds {missing}")
 
 
 def verdict(summaries: list[SettingSummary], reference: SettingSummary, name: str, target: float) -> list[str]:
@@ -44,6 +49,10 @@ def verdict(summaries: list[SettingSummary], reference: SettingSummary, name: st
             lines.append(f"- **{s.setting.name}** ({objective(s.setting)}) did not reach it on its seed mean within "
                          f"{s.runs[0].steps[-1]} steps. {equal_time(s, reference, name)}")  # fmt: skip
             continue
+        if step == 0:  # the start already stood at the target: a run too short (or a target too low) to time
+            lines.append(f"- **{s.setting.name}** ({objective(s.setting)}) stood at it from step 0, before any "
+                         f"training, so there is no time to compare. {equal_time(s, reference, name)}")  # fmt: skip
+            continue
         seeds = [v for v in s.reach_per_seed(name, target) if not math.isnan(v)]
         if seeds and ref_seeds and len(seeds) == len(s.runs) and max(seeds) < min(ref_seeds):
             separation = "every seed of it reached the target before every seed of " + reference.setting.name
@@ -51,9 +60,13 @@ def verdict(summaries: list[SettingSummary], reference: SettingSummary, name: st
             separation = "every seed of " + reference.setting.name + " reached the target before every seed of it"
         else:
             separation = "the seeds' own times overlap, so the difference is within seed noise"
+        if _ratio(seconds, ref_seconds) == "n/a":  # the reference stood at the target from its start
+            cost = f"where {reference.setting.name} stood at it from step 0 (no ratio of times)"
+        else:
+            cost = (f"in {_ratio(seconds, ref_seconds)}x {reference.setting.name}'s wall time and "
+                    f"{_ratio(tokens, ref_tokens)}x its generated tokens")  # fmt: skip
         lines.append(
-            f"- **{s.setting.name}** ({objective(s.setting)}) reached it at step {step:.0f}, in {_ratio(seconds, ref_seconds)}x "
-            f"{reference.setting.name}'s wall time and {_ratio(tokens, ref_tokens)}x its generated tokens; {separation}. "
+            f"- **{s.setting.name}** ({objective(s.setting)}) reached it at step {step:.0f}, {cost}; {separation}. "
             + equal_time(s, reference, name)
         )
     return lines
@@ -101,7 +114,7 @@ def claims(summaries: list[SettingSummary], reference: SettingSummary, measured,
     if ma:
         lines.append(
             f"- *GRPO-MA trains more steadily (fewer gradient spikes).* Spike score {reference.setting.name} "
-            f"{_spread(reference.spike_scores(), '.3f')}; " + "; ".join(f"{s.setting.name} {_spread(s.spike_scores(), '.3f')}" for s in ma) + "."
+            f"{_spread(reference.spike_scores(), '.3f', NO_SPIKE_SCORE)}; " + "; ".join(f"{s.setting.name} {_spread(s.spike_scores(), '.3f', NO_SPIKE_SCORE)}" for s in ma) + "."
         )
         lines.append("- *GRPO-MA reaches GRPO's quality with less time and compute.* See the verdict above.")
         for s in ma:
@@ -193,7 +206,7 @@ def write_report(grid: Grid, root: Path, *, task: str, command: str, report_dir:
             f"{'not reached' if step is None else f'{step:.0f}'} | {_fmt(seconds, '.0f')} | {_ratio(seconds, ref_seconds)} | "
             f"{_fmt(tokens, ',.0f')} | {_ratio(tokens, ref_tokens)} | {_spread(s.reach_per_seed(main, target), '.0f')} | "
             f"{s.rollout_seconds():.3f} | {s.update_seconds():.3f} | {_fmt(s.tokens_per_step(), ',.0f')} | "
-            f"{_spread(s.spike_scores(), '.3f')} |"
+            f"{_spread(s.spike_scores(), '.3f', NO_SPIKE_SCORE)} |"
         )
     lines += ["", "**Verdict** (from the table):", "", *verdict(summaries, reference, main, target),
               *equal_thoughts(summaries, reference, main), ""]  # fmt: skip
