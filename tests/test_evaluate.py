@@ -247,3 +247,22 @@ def test_a_resumed_sampled_evaluation_samples_what_a_straight_one_samples(tiny_p
     assert [(r["id"], r["sample_index"], r["thought"], r["answer"]) for r in resumed] == [
         (r["id"], r["sample_index"], r["thought"], r["answer"]) for r in straight
     ]
+
+
+def test_drawings_carry_a_legend_of_prediction_and_truth(tmp_path):
+    """The held-out drawings said nowhere which box was which. Planted: the legend left out; the image kept its
+    drawn size and had neither swatch below it."""
+    from vlm_grpo_ma.task_api.drawing import PREDICTION_COLOUR, TRUTH_COLOUR
+
+    task = get_task("grounding")
+    sample = task.load("test")[0]
+    record = {"id": sample.id, "sample_index": 0, "prediction": {"box": [10.0, 10.0, 40.0, 40.0]}}
+    assert evaluation.draw_predictions(task, [sample], [record], tmp_path, 1) == 1
+    (png,) = tmp_path.glob("*.png")
+    from PIL import Image
+
+    drawn = task.draw(evaluation.open_image(sample.images[0]), sample, record["prediction"])
+    image = Image.open(png).convert("RGB")
+    assert image.width == drawn.width and image.height > drawn.height
+    strip = {image.getpixel((x, y)) for x in range(image.width) for y in range(drawn.height, image.height)}
+    assert PREDICTION_COLOUR in strip and TRUTH_COLOUR in strip

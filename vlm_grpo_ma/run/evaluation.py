@@ -18,6 +18,7 @@ from vlm_grpo_ma.engines.rollout import generate_rollout
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import encode_prompt, open_image
 from vlm_grpo_ma.run.rewards import task_reward
+from vlm_grpo_ma.task_api.drawing import with_legend
 from vlm_grpo_ma.task_api.images import ImageLoadError
 from vlm_grpo_ma.task_api.registry import Sample, Task
 from vlm_grpo_ma.task_api.reward_pool import RewardTimeout
@@ -240,7 +241,8 @@ def _read_complete_records(path: Path, per_sample: int) -> list[dict]:
 
 
 def draw_predictions(task: Task, samples: Sequence[Sample], records: Sequence[dict], folder: Path, count: int) -> int:
-    """PNG files of the first ``count`` samples with the first answer's prediction and the truth drawn."""
+    """PNG files of the first ``count`` samples with the first answer's prediction and the truth drawn, and a
+    legend of the two colours below."""
     if task.draw is None or count <= 0:
         return 0
     by_id = {r["id"]: r for r in records if r["sample_index"] == 0}
@@ -255,6 +257,6 @@ def draw_predictions(task: Task, samples: Sequence[Sample], records: Sequence[di
             log.warning("could not draw sample %s: %s", sample.id, error)
             continue
         safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in sample.id)
-        image.save(folder / f"{index:03d}-{safe_id}.png")
+        with_legend(image).save(folder / f"{index:03d}-{safe_id}.png")
         drawn += 1
     return drawn

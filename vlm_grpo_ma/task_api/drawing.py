@@ -37,3 +37,20 @@ def draw_marks(
         pen.line([x - arm, y, x + arm, y], fill=colour, width=width)
         pen.line([x, y - arm, x, y + arm], fill=colour, width=width)
     return canvas
+
+
+def with_legend(image, labels: Sequence[tuple[str, tuple[int, int, int]]] = (("prediction", PREDICTION_COLOUR), ("truth", TRUTH_COLOUR))):
+    """``image`` with a strip below it that says what each colour marks (a swatch and its label each)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.load_default()
+    height = 18
+    canvas = Image.new("RGB", (image.width, image.height + height), (255, 255, 255))
+    canvas.paste(image.convert("RGB"), (0, 0))
+    pen = ImageDraw.Draw(canvas)
+    x = 4
+    for label, colour in labels:
+        pen.rectangle([x, image.height + 4, x + 10, image.height + 14], fill=colour)
+        pen.text((x + 14, image.height + 3), label, fill=(0, 0, 0), font=font)
+        x += 14 + int(pen.textlength(label, font=font)) + 12
+    return canvas
