@@ -22,7 +22,7 @@ def tiny_policy(tmp_path_factory):
     # with other processes make each tiny matmul take milliseconds.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    policy = load_bench_policy("tiny", tmp_path_factory.mktemp("bench"))
+    policy = load_bench_policy("random-tiny", tmp_path_factory.mktemp("bench"))
     yield policy, bench_prompts(policy, 1)
     torch.set_num_threads(threads)
 
@@ -88,7 +88,7 @@ def test_the_embedded_model_is_benchmarked_as_the_default_run_loads_it(tmp_path)
 
 
 def test_an_unknown_benchmark_model_names_the_choices(tmp_path):
-    with pytest.raises(ValueError, match="'20m'.*embedded, tiny, 10m"):
+    with pytest.raises(ValueError, match="'20m'.*embedded, random-tiny, random-10m"):
         load_bench_policy("20m", tmp_path)
 
 

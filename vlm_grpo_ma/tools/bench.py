@@ -16,7 +16,7 @@ The K x M rollout is timed two ways, side by side in one process, repeats interl
 Both paths stop on the same rules and the same token limits; the mean number of generated answer tokens of
 each is reported so a reader can see the work was the same. Models: ``embedded`` is the shipped warm-started
 model as the default run loads it (``model.name_or_path: tiny``, its own input size): its thoughts and answers
-stop where the trained policy stops them, so it times the default run's real rollout. ``tiny`` and ``10m``
+stop where the trained policy stops them, so it times the default run's real rollout. ``random-tiny`` and ``random-10m``
 are built untrained (random weights) at the embedded 168 px: an untrained model rarely writes a stop text,
 so it decodes to the token limits, the worst case for the thought stage, which both paths share. The
 re-encode baseline is checked against (a): the log-prob of (a)'s first answer token under (b)'s prefill must equal (a)'s sampling log-prob (``first_token_max_abs_diff``).
@@ -363,13 +363,13 @@ def bench_train(
 
 def format_train_table(rows: Sequence[dict]) -> str:
     header = (
-        f"{'model':<8} {'params':>8} {'K':>2} {'M':>2} {'B':>2} {'rows/mb':>7} | {'tokens shared':>13} "
+        f"{'model':<11} {'params':>8} {'K':>2} {'M':>2} {'B':>2} {'rows/mb':>7} | {'tokens shared':>13} "
         f"{'re-encode':>9} | {'shared s':>8} {'re-encode s':>11} {'ratio':>6} | {'max |dlogp|':>11} {'grad rel':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['model']:<8} {r['params'] / 1e6:>7.2f}M {r['num_thoughts']:>2} {r['num_answers']:>2} "
+            f"{r['model']:<11} {r['params'] / 1e6:>7.2f}M {r['num_thoughts']:>2} {r['num_answers']:>2} "
             f"{r['num_prompts']:>2} {r['micro_batch_rows']:>7} | {r['tokens_encoded_shared']:>13} "
             f"{r['tokens_encoded_reencode']:>9} | {r['shared_s']:>8.3f} {r['reencode_s']:>11.3f} "
             f"{r['ratio']:>5.2f}x | {r['logprob_max_abs_diff']:>11.1e} {r['grad_max_abs_diff_relative']:>8.1e}"
@@ -379,7 +379,7 @@ def format_train_table(rows: Sequence[dict]) -> str:
 
 def format_table(rows: Sequence[dict]) -> str:
     header = (
-        f"{'model':<6} {'params':>8} {'image':>7} {'K':>2} {'M':>2} {'B':>2} | {'branched s':>10} "
+        f"{'model':<11} {'params':>8} {'image':>7} {'K':>2} {'M':>2} {'B':>2} | {'branched s':>10} "
         f"{'re-encode s':>11} {'ratio':>6} | {'answer: branched s':>18} {'re-encode s':>11} {'ratio':>6} | "
         f"{'answer tok a/b':>14}"
     )
@@ -387,7 +387,7 @@ def format_table(rows: Sequence[dict]) -> str:
     for r in rows:
         w, h = r["image_px"][0]
         lines.append(
-            f"{r['model']:<6} {r['params'] / 1e6:>7.2f}M {f'{w}x{h}':>7} {r['num_thoughts']:>2} "
+            f"{r['model']:<11} {r['params'] / 1e6:>7.2f}M {f'{w}x{h}':>7} {r['num_thoughts']:>2} "
             f"{r['num_answers']:>2} {r['num_prompts']:>2} | {r['branched_s']:>10.3f} {r['reencode_s']:>11.3f} "
             f"{r['ratio']:>5.2f}x | {r['branched_answer_s']:>18.3f} {r['reencode_answer_s']:>11.3f} "
             f"{r['answer_ratio']:>5.2f}x | "

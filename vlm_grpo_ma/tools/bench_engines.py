@@ -111,7 +111,7 @@ def engines_main(args: argparse.Namespace) -> list[dict]:
 
 
 def format_engines_table(rows: list[dict], engine_names: list[str]) -> str:
-    header = f"{'model':<9} {'params':>8} | " + " | ".join(f"{name + ' s/tree':>12} {'tokens':>7} {'hit rate':>8}" for name in engine_names)
+    header = f"{'model':<11} {'params':>8} | " + " | ".join(f"{name + ' s/tree':>12} {'tokens':>7} {'hit rate':>8}" for name in engine_names)
     if len(engine_names) == 2:
         header += f" | {engine_names[0]}/{engine_names[1]}"
     lines = [header, "-" * len(header)]
@@ -121,7 +121,7 @@ def format_engines_table(rows: list[dict], engine_names: list[str]) -> str:
             + (f"{rate:>8.2f}" if (rate := row["engines"][n]["prefix_cache_hit_rate"]) == rate else f"{'-':>8}")
             for n in engine_names
         ]
-        line = f"{row['model']:<9} {row['params'] / 1e6:>7.2f}M | " + " | ".join(cells)
+        line = f"{row['model']:<11} {row['params'] / 1e6:>7.2f}M | " + " | ".join(cells)
         if len(engine_names) == 2:
             a, b = (row["engines"][n]["seconds_per_tree"] for n in engine_names)
             line += f" | {a / b:>5.2f}x"

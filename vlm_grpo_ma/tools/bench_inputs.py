@@ -19,17 +19,18 @@ from vlm_grpo_ma.model.tiny import SIZES, TINY_MODEL_NAME, build_untrained
 from vlm_grpo_ma.run.config import RolloutConfig
 from vlm_grpo_ma.task_api.registry import get_task, load_samples
 
-EMBEDDED = "embedded"  # the shipped warm-started model
-BENCH_MODELS = (EMBEDDED, *SIZES)  # then untrained models of each size of vlm_grpo_ma.model.tiny
+EMBEDDED = "embedded"  # the shipped warm-started model (what `model.name_or_path: tiny` loads elsewhere)
+RANDOM = "random-"  # random-<size>: an untrained model of a size of vlm_grpo_ma.model.tiny (not the embedded one)
+BENCH_MODELS = (EMBEDDED, *(RANDOM + size for size in SIZES))
 
 
 def load_bench_policy(name: str, workdir: Path, *, image_size: int | None = None) -> Policy:
-    """``embedded``: the shipped model, loaded as the default run loads it. A size of ``vlm_grpo_ma.model.tiny``: an
-    untrained model of that size, saved to ``workdir`` and loaded as the trainer loads it. With ``image_size``
+    """``embedded``: the shipped model, loaded as the default run loads it. ``random-<size>``, a size of
+    ``vlm_grpo_ma.model.tiny``: an untrained model of that size, saved to ``workdir`` and loaded as the trainer loads it. With ``image_size``
     the processor's pixel budget is raised so that a ``image_size`` x ``image_size`` image is not shrunk."""
     if name not in BENCH_MODELS:
         raise ValueError(f"unknown benchmark model {name!r}; choose from: {', '.join(BENCH_MODELS)}")
-    path = TINY_MODEL_NAME if name == EMBEDDED else str(build_untrained(Path(workdir) / name, size=name))
+    path = TINY_MODEL_NAME if name == EMBEDDED else str(build_untrained(Path(workdir) / name, size=name.removeprefix(RANDOM)))
     policy = load_policy(path, dtype="float32", attn_implementation="sdpa")
     policy.model.eval()
     if image_size:
