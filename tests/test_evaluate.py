@@ -102,7 +102,11 @@ def test_prediction_is_in_original_pixels_for_each_frame(frame, written, input_s
     assert task.reward(c, sample)["iou"] == pytest.approx(1.0)
 
 
-def test_resolve_model_kinds(tmp_path):
+def test_resolve_model_kinds(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    # the hub id below counts as in the local Hugging Face cache (an uncached one, offline, is refused at once)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo_id, filename: f"/cache/{repo_id}/{filename}")
     assert evaluate.resolve_model("tiny") == evaluate.ModelSpec("tiny", "tiny")
     run = tmp_path / "myrun"
     for step in (10, 20):
