@@ -24,12 +24,16 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
 
 
+def checkpoint_step(folder: Path) -> int:
+    return int(_STEP_DIR.match(Path(folder).name).group(1))
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "state.pt").is_file()]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=checkpoint_step)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -78,7 +82,9 @@ def save_checkpoint(run_dir: Path, step: int, *, write_model, training_state: di
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep]:
+    # Only checkpoints up to this one count: one of a later step is left from before a resume that passed it
+    # over (it does not load), and counting it as the newest would delete this one and the good one before it.
+    for old in [c for c in list_checkpoints(run_dir) if checkpoint_step(c) <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -95,14 +101,23 @@ def load_resumable_state(path: Path) -> dict:
     """The training state of checkpoint ``path``, once its model's weight files are found whole: safetensors
     reads only a file's header, which gives every tensor's byte range, so a file cut short fails here (in
     milliseconds) rather than when the model loads. CheckpointLoadError names the file that does not load."""
-    from safetensors import safe_open
-
     file = Path(path) / "state.pt"
     try:
         state = load_training_state(path)
-        for file in sorted((Path(path) / "model").glob("*.safetensors")):
-            with safe_open(str(file), "pt"):
-                pass
     except Exception as error:  # torch.load raises RuntimeError, EOFError, UnpicklingError ... on a cut file
         raise CheckpointLoadError(f"{file} does not load ({type(error).__name__}: {error})") from error
+    check_weight_files(Path(path) / "model")
     return state
+
+
+def check_weight_files(model_folder: Path) -> None:
+    """CheckpointLoadError naming the first ``*.safetensors`` file of ``model_folder`` whose header does not
+    read: a file cut short (a full disk, a killed copy) fails here in milliseconds, not in the model's load."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(model_folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as error:  # noqa: BLE001 - SafetensorError, OSError ...: the file does not load
+            raise CheckpointLoadError(f"{file} does not load ({type(error).__name__}: {error})") from error

@@ -116,6 +116,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     finally:
         restore_sigterm()
         run.logger.close()
+        if run.run_lock is not None:
+            run.run_lock.close()
     summary = write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
     if counters["steps_without_signal"] and accelerator.is_main_process:
         print(f"no learning signal in {counters['steps_without_signal']} of {step} steps (every group's rewards"

@@ -18,7 +18,52 @@ from vlm_grpo_ma.run.trackers import TRACKER_OUTPUTS
 log = logging.getLogger("vlm_grpo_ma.train")
 
 
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "rollouts.jsonl", "summary.json", "eval", "config.yaml", *TRACKER_OUTPUTS)
+CONFIG_FILE = "config.yaml"
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "rollouts.jsonl", "summary.json", "eval", CONFIG_FILE, *TRACKER_OUTPUTS)
+
+
+LOCK_FILE = ".run.lock"  # held (flock) by the run that writes the folder, for its whole life
+
+
+def hold_run_dir(run_dir: Path):
+    """An exclusive lock on the run folder, held until the returned file is closed or the process ends (the
+    operating system releases it however the process ends: no stale lock after a crash). Another process
+    holding it is a ConfigError naming it (pid, host, start, command): two runs would interleave their
+    metrics and overwrite each other's checkpoints, and ``--overwrite`` would delete a live run's outputs."""
+    import fcntl
+    import os
+    import socket
+    import sys
+
+    handle = open(run_dir / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "a process that wrote nothing"
+        handle.close()
+        raise ConfigError(
+            f"train.output_dir={run_dir} is in use by another run ({holder}); wait for it to end, stop it, or "
+            "choose another --output-dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}: {' '.join(sys.argv)}\n")
+    handle.flush()
+    return handle
+
+
+def check_resumable(run_dir: Path) -> None:
+    """Before a resume writes anything (its lock included): refuse a folder that holds outputs but no
+    config.yaml. No run of this trainer wrote it (each writes its config first), and resuming would empty its
+    metrics.jsonl and write a config over its own."""
+    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if found and not (run_dir / CONFIG_FILE).is_file():
+        raise ConfigError(
+            f"--resume: {run_dir} holds {', '.join(found)} but no {CONFIG_FILE} of a run of this trainer, so there is"
+            " no run to continue; nothing in it was changed. Choose another --output-dir"
+        )
 
 
 def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool = True) -> None:
@@ -47,7 +92,6 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool 
     log.info("--overwrite: deleted %s from %s", ", ".join(found), run_dir)
 
 
-CONFIG_FILE = "config.yaml"
 # Settings that make a run another run: a resume that changes one is refused unless --allow-changes says so.
 RUN_DEFINING_KEYS = (
     "data.task", "data.tasks", "data.source", "data.sources", "model.name_or_path", "model.lora_rank",

@@ -21,7 +21,7 @@ from vlm_grpo_ma.model import lora
 from vlm_grpo_ma.model.loading import Policy, count_parameters, load_policy
 from vlm_grpo_ma.model.logprobs import CompletionScorer
 from vlm_grpo_ma.run import checkpoint as ckpt
-from vlm_grpo_ma.run import sharding
+from vlm_grpo_ma.run import sharding, survive
 from vlm_grpo_ma.run.batch import TrainBatch
 from vlm_grpo_ma.run.config import Config, ConfigError, save_config
 from vlm_grpo_ma.run.distributed import make_accelerator
@@ -29,7 +29,14 @@ from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
 from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
-from vlm_grpo_ma.run.run_dir import CONFIG_FILE, checkpoint_to_resume, claim_run_dir, resume_history
+from vlm_grpo_ma.run.run_dir import (
+    CONFIG_FILE,
+    check_resumable,
+    checkpoint_to_resume,
+    claim_run_dir,
+    hold_run_dir,
+    resume_history,
+)
 from vlm_grpo_ma.run.trackers import check_trackers, open_trackers, run_params
 from vlm_grpo_ma.run.update import score_rows
 from vlm_grpo_ma.task_api.registry import (
@@ -68,6 +75,7 @@ class RunState:
     start_step: int
     prompts_per_process: int
     engine: object  # samples the rollouts (vlm_grpo_ma/engines: rollout.engine); holds the policy's weights
+    run_lock: object  # the main process's lock on the run folder (run_dir.hold_run_dir); None on the others
 
     def completed_state(self) -> dict:
         """The part of a checkpoint that records the steps done: data position, counters, spike history."""
@@ -86,7 +94,22 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     check_engine(cfg, num_processes)  # vllm missing or with several processes: stop before anything loads
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
+    if resume:
+        check_resumable(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with survive.together(accelerator):  # the main process holds the folder; a refusal stops every process
+        run_lock = hold_run_dir(run_dir) if accelerator.is_main_process else None
+    try:
+        return _build_run(cfg, accelerator, run_dir, run_lock, resume=resume, overwrite=overwrite)
+    except BaseException:
+        if run_lock is not None:  # released now, not when the traceback that holds it goes
+            run_lock.close()
+        raise
+
+
+def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: bool, overwrite: bool) -> RunState:
+    """The rest of ``setup_run``, in the folder this process holds."""
+    num_processes = accelerator.num_processes
     claim_run_dir(run_dir, resume=resume, overwrite=overwrite, delete=accelerator.is_main_process)
     accelerator.wait_for_everyone()
 
@@ -168,7 +191,7 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
         policy=policy, scorer=scorer, optimizer=optimizer, scheduler=scheduler, reference=reference, fsdp=fsdp,
         logger=logger, counters=counters, spikes=spikes, start_step=start_step,
-        prompts_per_process=cfg.train.prompts_per_step // num_processes, engine=engine,
+        prompts_per_process=cfg.train.prompts_per_step // num_processes, engine=engine, run_lock=run_lock,
     )  # fmt: skip
 
 

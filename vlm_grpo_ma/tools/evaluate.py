@@ -60,10 +60,25 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
                 raise FileNotFoundError(f"run {path} has no checkpoint for --step {step}; it has: {steps}")
         if not found:
             raise FileNotFoundError(f"run {path} has no checkpoint yet (checkpoints/ is empty)")
-        return ModelSpec(f"{path.resolve().name}@{found[-1].name}", str(found[-1] / "model"))
-    if (path / "model").is_dir() and (path / "state.pt").is_file():  # one checkpoint folder
-        return ModelSpec(f"{path.resolve().parent.parent.name}@{path.name}", str(path / "model"))
+        failures = []
+        for checkpoint in reversed(found):  # the newest whose weights load, as a resume picks it
+            try:
+                ckpt.check_weight_files(checkpoint / "model")
+            except ckpt.CheckpointLoadError as error:
+                failures.append(str(error))
+                if step is None:
+                    log.warning("%s; evaluating the checkpoint before it", error)
+                continue
+            return ModelSpec(f"{path.resolve().name}@{checkpoint.name}", str(checkpoint / "model"))
+        raise ValueError(f"no checkpoint of run {path} loads: " + "; ".join(failures))
     if path.exists():
+        model = path / "model" if (path / "model").is_dir() and (path / "state.pt").is_file() else path
+        try:
+            ckpt.check_weight_files(model)
+        except ckpt.CheckpointLoadError as error:
+            raise ValueError(str(error)) from None
+        if model != path:  # one checkpoint folder
+            return ModelSpec(f"{path.resolve().parent.parent.name}@{path.name}", str(model))
         return ModelSpec(path.resolve().name, str(path))
     checked_model_path(spec, "--models")  # a mistyped folder or an unknown hub id: one line, at once
     return ModelSpec(spec.replace("/", "__"), spec)
