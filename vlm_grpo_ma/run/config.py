@@ -264,6 +264,9 @@ REPLACED_KEYS = {
 }
 # Integers far beyond any sensible run overflow torch/numpy calls mid-start with a traceback; refuse them.
 MAX_INT = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+# logits / temperature must stay finite in float32 for logits in the hundreds: 1e-4 keeps 1e6 of headroom.
+MIN_TEMPERATURE = 1e-4
 # Each prompt samples from a torch generator seeded with (train.seed * SEED_STRIDE + step) * SEED_STRIDE +
 # prompt (engines.decode.SEED_STRIDE); torch's manual_seed takes at most 2**64 - 1. Seeds up to numpy's
 # 2**32 - 1 passed validation and overflowed at step 1 ("Overflow when unpacking long long"), after the model
@@ -316,6 +319,8 @@ def validate(cfg: Config) -> Config:
     for key, value in _numbers(cfg):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value!r} must be a finite number")
+        if isinstance(value, float) and abs(value) > FLOAT32_MAX:  # rewards, advantages and losses are float32
+            raise ConfigError(f"{key}={value!r} is infinite in float32 (the trainer's tensors); at most {FLOAT32_MAX:.3g}")
         if isinstance(value, int) and key != "train.seed" and abs(value) > MAX_INT:
             raise ConfigError(f"{key}={value} is out of range (at most {MAX_INT})")
     if cfg.train.mixed_precision == "fp16":
@@ -357,6 +362,11 @@ def validate(cfg: Config) -> Config:
             f"rollout.top_p={cfg.rollout.top_p!r}: rollout.engine=vllm reports log-probs renormalised over the nucleus,"
             " while the trainer scores the whole distribution, so the log-prob gap and the TIS weights would measure"
             " the nucleus, not the engine; use rollout.top_p=1 or rollout.engine=hf"
+        )
+    if cfg.rollout.temperature < MIN_TEMPERATURE:
+        raise ConfigError(
+            f"rollout.temperature={cfg.rollout.temperature!r} is below {MIN_TEMPERATURE:g}: the sampler divides float32"
+            " logits by it, which overflows to inf and samples NaN"
         )
     if cfg.rollout.engine == "vllm" and cfg.rollout.temperature > 2:
         raise ConfigError(
@@ -514,13 +524,33 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return getattr(error, "problem", None) or str(error).splitlines()[0]
 
 
-def _deep_update(base: dict, extra: dict) -> dict:
+def _deep_update(base: dict, extra: dict, where: str = "") -> dict:
+    """``extra`` over ``base``, mapping by mapping. A mapping over something that is not one (``train: 5``, then
+    ``train.steps=9``) is a ConfigError: replacing it would hide the malformed section."""
     for key, value in extra.items():
+        dotted = f"{where}{key}"
         if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_update(base[key], value)
+            _deep_update(base[key], value, f"{dotted}.")
+        elif isinstance(value, dict) and key in base and base[key] is not None:
+            raise ConfigError(f"config section {dotted!r} must be a mapping, got {base[key]!r}")
         else:
             base[key] = value
     return base
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: key {key!r} is given twice (first on line {seen[key]}); give it once"
+                )
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def config_file_values(path: str | Path) -> dict[str, Any]:
@@ -530,7 +560,9 @@ def config_file_values(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -45,17 +45,17 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     """Run ``cfg``'s training; returns the summary (also written to summary.json)."""
     run = setup_run(cfg, resume=resume, overwrite=overwrite)
     policy, scorer, accelerator, counters = run.policy, run.scorer, run.accelerator, run.counters
-    if run.eval_sets and run.start_step == 0:  # the start of the held-out curve: the samples of every later one
-        policy.model.eval()
-        held_out = evaluate(run, 0)
-        if accelerator.is_main_process:
-            run.logger.log_step(0, held_out, advance=False)
-            run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
     step, guard, completed = run.start_step, UpdateGuard(), run.completed_state()
     steps_in_a_row_without_signal = 0
     # SIGTERM saves and stops like Ctrl-C (exit code 143); several processes stop together (survive.together)
     restore_sigterm = survive.raise_on_sigterm(accelerator.num_processes)
     try:
+        if run.eval_sets and run.start_step == 0:  # the start of the held-out curve: the samples of every later one
+            policy.model.eval()
+            held_out = evaluate(run, 0)
+            if accelerator.is_main_process:
+                run.logger.log_step(0, held_out, advance=False)
+                run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
         while step < cfg.train.steps:
             started = time.perf_counter()
             prompts, rollout, scored, rollout_seconds = sample_step(run, step)

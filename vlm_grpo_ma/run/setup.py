@@ -94,6 +94,8 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     check_engine(cfg, num_processes)  # vllm missing or with several processes: stop before anything loads
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"train.output_dir={run_dir} is a file, not a folder; choose another --output-dir")
     if resume:
         check_resumable(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

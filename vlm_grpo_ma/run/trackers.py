@@ -103,6 +103,9 @@ def check_report_to(names: list[str]) -> None:
     unknown = [name for name in names if name not in valid]
     if unknown:
         raise ValueError(f"unknown tracker(s) {', '.join(map(repr, unknown))}; valid names: {', '.join(valid)}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} listed more than once (every scalar would be logged twice)")
     if NONE in names and len(names) > 1:
         raise ValueError(f"{NONE!r} means no tracker and cannot be listed with others")
     missing = [n for n in names if n != NONE and TRACKERS[n].module and importlib.util.find_spec(TRACKERS[n].module) is None]
@@ -193,7 +196,15 @@ def open_trackers(names: list[str], run_dir: Path, *, project: str = "vlm-grpo-m
         return RunTrackers([], None, {})
     run_dir = Path(run_dir)
     state_path = run_dir / STATE_FILE
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    state = {}
+    if state_path.is_file():
+        try:
+            state = json.loads(state_path.read_text(encoding="utf-8"))
+            if not isinstance(state, dict):
+                raise ValueError(f"a {type(state).__name__}, not an object")
+        except (ValueError, UnicodeDecodeError) as error:  # cut short by a crash, or edited by hand
+            log.warning("%s does not read (%s); the trackers start new runs instead of continuing theirs", state_path, error)
+            state = {}
     opened = []
     for name in names:
         if name == NONE:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from pathlib import Path
 
 from vlm_grpo_ma.model.architectures import (
@@ -52,7 +53,7 @@ from vlm_grpo_ma.model.architectures import (
     lora_counts,
     parameter_counts,
 )
-from vlm_grpo_ma.run.config import Config, load_config
+from vlm_grpo_ma.run.config import Config, ConfigError, load_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STRATEGIES = ("ddp", "fsdp")
@@ -282,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.config:
         parser.error("give --config PRESET, or --all")
-    cfg = load_config(args.config, args.overrides)
-    print(report(architecture_of(cfg.model.name_or_path), cfg, args.processes, args.strategy, args.gpu_gb))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        arch = architecture_of(cfg.model.name_or_path)
+    except (ConfigError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(report(arch, cfg, args.processes, args.strategy, args.gpu_gb))
     return 0

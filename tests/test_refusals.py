@@ -1,0 +1,103 @@
+"""Values no run can use, refused at start naming the key, and mistakes that gave raw tracebacks, now one line
+(issue 34). Each test names the bug planted to see it fail."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import TINY_RUN
+
+from vlm_grpo_ma.run import cli
+from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.trackers import check_trackers
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys without a word. Planted: yaml.safe_load; the file loaded."""
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  steps: 5\n  learning_rate: 0.1\n  steps: 6\n")
+    with pytest.raises(ConfigError, match=rf"^{config}: line 4: key 'steps' is given twice \(first on line 2\); give it once$"):
+        load_config(config)
+
+
+def test_a_malformed_section_is_not_replaced_by_an_override(tmp_path):
+    """``train: 5`` in a file and ``train.steps=9`` on the command line: the override replaced the section.
+    Planted: the old merge (a mapping over anything); the config loaded with steps 9."""
+    config = tmp_path / "c.yaml"
+    config.write_text("train: 5\n")
+    with pytest.raises(ConfigError, match=r"config section 'train' must be a mapping, got 5"):
+        load_config(config, ["train.steps=9"])
+    with pytest.raises(ConfigError, match=r"config section 'data.tasks' must be a mapping, got 'vqa'"):
+        load_config(None, ["data.tasks=vqa", "data.tasks.grounding=1"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.temperature=1e-40", "rollout.temperature=1e-40 is below 0.0001: the sampler divides float32 logits"),
+        ("algorithm.overlong_penalty=1e300", "algorithm.overlong_penalty=1e+300 is infinite in float32"),
+        ("train.learning_rate=1e39", "train.learning_rate=1e+39 is infinite in float32"),
+    ],
+)
+def test_values_no_run_can_use_are_refused_naming_the_key(override, message):
+    """A temperature of 1e-40 sampled NaN; an overlong penalty of 1e300 became inf in float32 and the stop
+    message named other keys. Planted: each check removed; the config loaded."""
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace("+", r"\+")):
+        load_config(None, [override])
+    load_config(None, ["rollout.temperature=1e-4", "algorithm.overlong_penalty=1e30"])  # the edges pass
+
+
+def test_a_tracker_listed_twice_is_refused():
+    """``report_to=[tensorboard, tensorboard]`` logged every scalar twice. Planted: no check; it passed."""
+    with pytest.raises(ConfigError, match=r"logging.report_to=\['tensorboard', 'tensorboard'\]: tensorboard listed more than once"):
+        check_trackers(load_config(None, ["logging.report_to=[tensorboard,tensorboard]"]))
+
+
+def test_memory_with_a_missing_config_is_one_line(tmp_path, capsys):
+    """Planted: no try around the load; a raw ConfigError traceback."""
+    from vlm_grpo_ma.tools import memory
+
+    assert memory.main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert capsys.readouterr().err == f"error: config file not found: {tmp_path / 'nope.yaml'}\n"
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, untrained_tiny_dir, capsys):
+    """Planted: the check removed; mkdir raised FileExistsError with a traceback."""
+    file = tmp_path / "a-file"
+    file.write_text("x")
+    assert cli.main(["--output-dir", str(file), f"model.name_or_path={untrained_tiny_dir}", *TINY_RUN]) == 2
+    assert capsys.readouterr().err == f"error: train.output_dir={file} is a file, not a folder; choose another --output-dir\n"
+
+
+def test_a_corrupt_trackers_json_does_not_stop_a_resume(tmp_path, untrained_tiny_dir, caplog):
+    """A trackers.json cut short by a crash kept the run from resuming until it was deleted. Planted: the old
+    json.loads; the resume raised JSONDecodeError."""
+    run = tmp_path / "run"
+    base = ["--output-dir", str(run), f"model.name_or_path={untrained_tiny_dir}", *TINY_RUN, "logging.report_to=[tensorboard]"]
+    assert cli.main([*base, "train.steps=1"]) == 0
+    (run / "trackers.json").write_text('{"tensorboard": {"id": ')
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo_ma.trackers"):
+        assert cli.main(["--output-dir", str(run), "--resume", "train.steps=2"]) == 0
+    assert "trackers.json does not read" in caplog.text and "start new runs" in caplog.text
+
+
+def test_the_step_0_evaluation_is_inside_the_runs_way_out(tmp_path, untrained_tiny_dir, monkeypatch):
+    """The step-0 evaluation ran before the signal handler and outside the block that closes the trackers and
+    the folder's lock. Planted: the evaluation moved back before the try; the resume below was refused as 'in
+    use by another run' (the lock and trackers stayed open)."""
+    from vlm_grpo_ma.run import loop
+
+    run = tmp_path / "run"
+    base = ["--output-dir", str(run), f"model.name_or_path={untrained_tiny_dir}", *TINY_RUN, "train.eval_every=1",
+            "train.eval_samples=2", "train.steps=1"]  # fmt: skip
+
+    def interrupted(run_state, step):
+        raise RuntimeError("stopped during the step-0 evaluation")
+
+    monkeypatch.setattr(loop, "evaluate", interrupted)
+    with pytest.raises(RuntimeError, match="step-0 evaluation") as stopped:
+        cli.main(base)
+    monkeypatch.undo()
+    assert stopped.traceback
+    assert cli.main(["--output-dir", str(run), "--resume"]) == 0
