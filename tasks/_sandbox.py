@@ -673,7 +673,7 @@ def _contain(job: dict, libc, resource) -> tuple[list[str], dict[int, str]]:
     limits = job["limits"]
     private_root = False
     if job["namespaces"] and libc is not None:
-        private_root = _private_root(libc, workdir, limits["disk_bytes"], uid)
+        private_root = _private_root(libc, workdir, limits["disk_bytes"], limits["files"], uid)
         if private_root:
             layers += ["private_root", "tmpfs_workdir"]
     os.chdir(workdir)
@@ -721,7 +721,7 @@ def _contain(job: dict, libc, resource) -> tuple[list[str], dict[int, str]]:
     return layers, readable_dirs
 
 
-def _private_root(libc, workdir: str, disk_bytes: int, uid: int | None) -> bool:
+def _private_root(libc, workdir: str, disk_bytes: int, files: int, uid: int | None) -> bool:
     """Enter a new mount namespace whose root holds only what the interpreter needs (see the module
     docstring) and a size-limited tmpfs at ``workdir``; False when the kernel refuses (nothing changed
     for the caller that matters: the host's mounts are untouched either way)."""
@@ -795,7 +795,8 @@ def _private_root(libc, workdir: str, disk_bytes: int, uid: int | None) -> bool:
         if not mount(device, root + device, None, _MS_BIND):
             return False
     os.makedirs(root + workdir)
-    options = f"size={max(1, disk_bytes)},mode=700" + (f",uid={uid},gid={uid}" if uid is not None else "")
+    # nr_inodes caps the entries (files, folders, links), whose kernel memory size= does not count
+    options = f"size={max(1, disk_bytes)},nr_inodes={max(2, files)},mode=700" + (f",uid={uid},gid={uid}" if uid is not None else "")
     if not (
         mount("sandbox-work", root + workdir, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options)
         and read_only(root, recursive=False)
@@ -1191,7 +1192,9 @@ class SandboxError(RuntimeError):
 class Limits:
     """Resource limits of one run. ``processes`` is how many processes/threads the program may start
     beyond itself (0: none; enforced by the kernel only with the uid layer). ``disk_mb`` is the size of the
-    working directory's tmpfs (with the private root only; otherwise only ``file_bytes`` per file holds)."""
+    working directory's tmpfs and ``files`` how many files and folders it holds (with the private root only;
+    otherwise only ``file_bytes`` per file holds): a tmpfs capped in bytes alone let a program make empty files
+    for its whole deadline, 300-400 MiB of kernel memory per worker."""
 
     wall_s: float = 10.0
     cpu_s: int = 8
@@ -1200,6 +1203,7 @@ class Limits:
     file_bytes: int = 16 << 20
     open_files: int = 64
     disk_mb: int = 64
+    files: int = 4096
     processes: int = 0
 
 
@@ -1283,6 +1287,7 @@ def run_tests(
                 "open_files": int(limits.open_files),
                 "processes": int(limits.processes),
                 "disk_bytes": int(limits.disk_mb) << 20,
+                "files": int(limits.files),
             },
         }
         tests = {

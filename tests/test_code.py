@@ -1085,6 +1085,21 @@ def test_the_working_directory_cannot_fill_the_disk():
         assert int(result.output.split("written")[1]) <= 4 << 20
 
 
+@needs_namespaces
+def test_the_working_directory_caps_its_files_too():
+    """A tmpfs capped in bytes only: a program making empty files for its deadline took 300-400 MiB of kernel
+    memory. Planted: nr_inodes left out of the mount; the program made all 5000 files."""
+    limits = dataclasses.replace(HOSTILE, files=1000)
+    program = (
+        "made = 0\ntry:\n    for i in range(5000):\n        open(f'e{i}', 'wb').close()\n        made += 1\n"
+        "except OSError as error:\n    print('stopped', error.errno)\nprint('made', made)"
+    )
+    for isolation in (FULL, KERNEL_ONLY):
+        result = run_tests(program, [Step("assert True")], limits=limits, isolation=isolation)
+        assert "stopped 28" in result.output, result  # ENOSPC: no inode left
+        assert int(result.output.split("made")[1]) < 1000
+
+
 NESTED = (
     "import os\npath = 'd'\nfor _ in range(1900):\n    os.mkdir(path)\n    path += '/d'\nprint(os.getcwd())"
 )

@@ -278,6 +278,27 @@ def test_gathered_groups_keep_each_prompts_tree_and_scores_in_the_order_given():
     assert scored.counters == Counter(drawn=2)
 
 
+def test_the_answer_length_penalty_skips_answers_void_by_rule():
+    """An answer after a thought that ended the turn is text past the end; its length penalty valued the thought
+    by it. Planted: every answer's length counted; the void answers got -1 and the thought's group its mean."""
+    from vlm_grpo_ma.engines.decode import TreeSample
+    from vlm_grpo_ma.engines.rollout import Rollout
+    from vlm_grpo_ma.run.rewards import ScoredRollout, add_overlong_penalty
+
+    # B = 1, K = 2, M = 2: thought 0 ended the turn; every answer is 10 tokens, at the limit
+    tree = TreeSample(
+        thought_ids=[[1], [2]], thought_logprobs=[[-1.0]] * 2, thought_forced=[[False]] * 2, thought_truncated=[False] * 2,
+        thought_ended_turn=[True, False], answer_ids=[[5] * 10] * 4, answer_logprobs=[[-1.0] * 10] * 4,
+        answer_truncated=[True] * 4,
+    )  # fmt: skip
+    rollout = Rollout(["s"], ["p"], 2, 2, tree, ["c"] * 4)
+    scored = ScoredRollout(torch.zeros(1, 2, 2), {}, [{"reward": 0.0}] * 4)
+    shaped = add_overlong_penalty(scored, rollout, max_thought_tokens=8, max_answer_tokens=10, thought_buffer=4,
+                                  answer_buffer=4, penalty=1.0, truncated_thoughts="close")  # fmt: skip
+    assert shaped.rewards.tolist() == [[[0.0, 0.0], [-1.0, -1.0]]]
+    assert [p["overlong"] for p in shaped.per_answer_parts] == [0.0, 0.0, -1.0, -1.0]
+
+
 def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -165,6 +165,12 @@ def test_a_sample_of_another_task_name_is_refused_naming_the_task_and_sample(fre
     with pytest.raises(ValueError, match=r"^task 'colour' \(module test_task_api \(.*\)\): load\('test'\) returned sample 's1' with "
                                          r"task='color'; Sample.task must be the task's name, 'colour'$"):
         registry.load_samples(task, "test")
+    twice = task_api.register_task(task_api.Task(
+        name="twice", load=lambda split, source=None: [task_api.Sample("twice", i, "q", (), 1) for i in ("a", "b", "a")],
+        reward=test_the_core_imports_no_task_by_name, instruction=""))  # fmt: skip
+    # evaluate --source merged rows of one id into one prompt (planted: no check; it loaded)
+    with pytest.raises(ValueError, match=r"load\('test'\) from bench.jsonl returned two samples of id 'a'; sample ids must be unique"):
+        registry.load_samples(twice, "test", "bench.jsonl")
     with pytest.raises(ValueError, match="returned a tuple; it must return a list of Sample"):
         registry.load_samples(task_api.Task(name="x", load=lambda split, source=None: (), reward=len, instruction=""), "train")
 

@@ -156,7 +156,7 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
             scored = add_overlong_penalty(
                 scored, rollout, max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens,
                 thought_buffer=algo.overlong_buffer_thought_tokens, answer_buffer=algo.overlong_buffer_answer_tokens,
-                penalty=algo.overlong_penalty,
+                penalty=algo.overlong_penalty, truncated_thoughts=cfg.rollout.truncated_thoughts,
             )  # fmt: skip
         if not algo.dynamic_sampling:
             return rollout.prompts, rollout, scored, sampling_seconds

@@ -138,10 +138,12 @@ def gather_scored_groups(groups: Sequence[tuple[ScoredRollout, int]], counters: 
 
 def add_overlong_penalty(
     scored: ScoredRollout, rollout: Rollout, *, max_thought_tokens: int, max_answer_tokens: int,
-    thought_buffer: int, answer_buffer: int, penalty: float,
+    thought_buffer: int, answer_buffer: int, penalty: float, truncated_thoughts: str,
 ) -> ScoredRollout:  # fmt: skip
     """DAPO's soft overlong punishment (``advantages.overlong_penalty``) added to every answer's reward: for the
-    answer's length and for its thought's. The penalty is also a part, ``overlong`` (<= 0), so it is logged. A
+    answer's length and for its thought's. An answer void by rule (``Rollout.answers_void``: after a thought that
+    ended the turn, say) gets none for its own length: it is text past the end, not the policy's answer, and
+    it would value the thought by it. The penalty is also a part, ``overlong`` (<= 0), so it is logged. A
     no-op when both buffers are 0."""
     if thought_buffer == 0 and answer_buffer == 0:
         return scored
@@ -149,7 +151,8 @@ def add_overlong_penalty(
     thought_lengths = torch.tensor([len(tree.thought_ids[a // M]) for a in range(len(tree.answer_ids))])
     answer_lengths = torch.tensor([len(ids) for ids in tree.answer_ids])
     shaping = overlong_penalty(thought_lengths, max_tokens=max_thought_tokens, buffer_tokens=thought_buffer, penalty=penalty)
-    shaping += overlong_penalty(answer_lengths, max_tokens=max_answer_tokens, buffer_tokens=answer_buffer, penalty=penalty)
+    counted = torch.tensor([not rollout.answers_void(a // M, truncated_thoughts) for a in range(len(tree.answer_ids))])
+    shaping += counted * overlong_penalty(answer_lengths, max_tokens=max_answer_tokens, buffer_tokens=answer_buffer, penalty=penalty)
     flat_parts = [
         {**parts, "overlong": float(extra), "reward": parts["reward"] + float(extra)}
         for parts, extra in zip(scored.per_answer_parts, shaping.tolist(), strict=True)

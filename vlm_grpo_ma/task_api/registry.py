@@ -140,12 +140,15 @@ def register_task(task: Task) -> Task:
 
 def load_samples(task: Task, split: str, source: str | None = None) -> list[Sample]:
     """``task.load(split, source)``, checked: a list of ``Sample`` whose ``task`` is the task's name (the core
-    looks each sample's task up by it). ValueError naming the task, where it is defined and the first bad
-    sample; FileNotFoundError and ValueError of the loader pass through."""
+    looks each sample's task up by it) and whose ids are unique (evaluation keys its records, and a resumed
+    evaluation its progress, by id: two rows of one id became one prompt without a word). ValueError naming
+    the task, where it is defined and the first bad sample; FileNotFoundError and ValueError of the loader
+    pass through."""
     samples = task.load(split, source)
     where = f"task {task.name!r} ({_SOURCES.get(task.name) or _defined_in(task)}): load({split!r})"
     if not isinstance(samples, list):
         raise ValueError(f"{where} returned a {type(samples).__name__}; it must return a list of Sample")
+    seen: set[str] = set()
     for sample in samples:
         if not isinstance(sample, Sample):
             raise ValueError(f"{where} returned a {type(sample).__name__} among its samples; each must be a Sample")
@@ -154,6 +157,10 @@ def load_samples(task: Task, split: str, source: str | None = None) -> list[Samp
                 f"{where} returned sample {sample.id!r} with task={sample.task!r}; Sample.task must be the task's "
                 f"name, {task.name!r}"
             )
+        if sample.id in seen:
+            where_from = f" from {source}" if source else ""
+            raise ValueError(f"{where}{where_from} returned two samples of id {sample.id!r}; sample ids must be unique")
+        seen.add(sample.id)
     return samples
 
 
