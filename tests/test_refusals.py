@@ -101,3 +101,32 @@ def test_the_step_0_evaluation_is_inside_the_runs_way_out(tmp_path, untrained_ti
     monkeypatch.undo()
     assert stopped.traceback
     assert cli.main(["--output-dir", str(run), "--resume"]) == 0
+
+
+def test_a_source_whose_every_image_is_unreadable_is_one_line(tmp_path, untrained_tiny_dir, capsys):
+    """Images whose headers read but whose pixels are cut short pass the load and fail at encoding; the run
+    stopped with the right message under a RuntimeError traceback. Planted: RuntimeError again; it propagated."""
+    from PIL import Image
+
+    Image.new("RGB", (168, 168), (200, 10, 10)).save(tmp_path / "full.png")
+    head = (tmp_path / "full.png").read_bytes()[:60]
+    rows = []
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.png").write_bytes(head)
+        rows.append(f'{{"id": "{name}", "image": "{name}.png", "expression": "the red square", "box": [1, 2, 30, 40]}}')
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    code = cli.main(["--output-dir", str(tmp_path / "run"), f"model.name_or_path={untrained_tiny_dir}", *TINY_RUN,
+                     f"data.source={tmp_path / 'train.jsonl'}", "train.steps=1"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: too many unreadable images in a row; check data.source (")
+    assert "Traceback" not in err
+
+
+def test_a_json_whose_rows_are_not_objects_is_one_line(tmp_path):
+    """A VLM-R1 JSON of numbers raised TypeError inside require_keys. Planted: the type check removed."""
+    from vlm_grpo_ma.task_api.registry import get_task
+
+    (tmp_path / "rows.json").write_text("[1, 2, 3]")
+    with pytest.raises(ValueError, match=r"rows.json: row 0: a row must be an object with the keys image, problem, solution; this one is a int"):
+        get_task("grounding").load("train", str(tmp_path / "rows.json"))

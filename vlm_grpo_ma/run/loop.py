@@ -22,7 +22,7 @@ from vlm_grpo_ma.model.prompts import EncodedPrompt, encode_prompt
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run import sharding, survive
 from vlm_grpo_ma.run.batch import TrainBatch, build_train_batch
-from vlm_grpo_ma.run.config import Config
+from vlm_grpo_ma.run.config import Config, ConfigError
 from vlm_grpo_ma.run.distributed import mean_over_processes, sum_over_processes
 from vlm_grpo_ma.run.dynamic_sampling import draw_groups, keep_groups
 from vlm_grpo_ma.run.held_out import evaluate_during_training
@@ -233,7 +233,7 @@ def draw_prompts(
         counters["skipped_broken_images"] += len(failed)
         skipped += len(failed)
         if failed and attempts > 10 * count + 100:
-            raise RuntimeError(f"too many unreadable images in a row; check data.source ({next(iter(failed.values()))})")
+            raise ConfigError(f"too many unreadable images in a row; check data.source ({next(iter(failed.values()))})")
         for j, sample in enumerate(candidates):
             if j not in failed:
                 if j in encoded and len(samples) in mine:

@@ -39,7 +39,10 @@ def embedded_split_file(task: str, split: str, splits: Sequence[str], folder: Pa
 
 
 def require_keys(row: dict, keys: Sequence[str], where: str) -> None:
-    """Raise ValueError naming ``where``, the missing keys and all required keys."""
+    """Raise ValueError naming ``where``, the missing keys and all required keys (or what the row is, when it
+    is not an object at all: a JSON list of numbers, say)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be an object with the keys {', '.join(keys)}; this one is a {type(row).__name__}")
     missing = [k for k in keys if k not in row]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)}; required: {', '.join(keys)}")
