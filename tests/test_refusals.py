@@ -130,3 +130,19 @@ def test_a_json_whose_rows_are_not_objects_is_one_line(tmp_path):
     (tmp_path / "rows.json").write_text("[1, 2, 3]")
     with pytest.raises(ValueError, match=r"rows.json: row 0: a row must be an object with the keys image, problem, solution; this one is a int"):
         get_task("grounding").load("train", str(tmp_path / "rows.json"))
+
+
+def test_a_model_folder_without_its_tokenizer_is_one_line(tmp_path, untrained_tiny_dir, capsys):
+    """transformers asked for sentencepiece in a many-line message. Planted: the check removed; the error named
+    no file."""
+    import shutil
+
+    from vlm_grpo_ma.tools import evaluate
+
+    folder = tmp_path / "model"
+    shutil.copytree(untrained_tiny_dir, folder)
+    (folder / "tokenizer.json").unlink()
+    assert evaluate.main(["--models", str(folder), "--limit", "1", "--output-dir", str(tmp_path / "e"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        f"error: {folder} has no tokenizer (tokenizer.json or tokenizer.model or vocab.json): copy the model's tokenizer files into it")

@@ -144,6 +144,21 @@ def _hub_problem(repo_id: str) -> str | None:
     return None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of them: a tokenizer transformers reads
+
+
+def _load_processor(auto_processor, path: str):
+    """The processor of a model folder or hub id; ValueError of one line naming the folder when it has no
+    tokenizer file (transformers then asks for sentencepiece in a long message) or the processor fails."""
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}): copy the model's tokenizer files into it")
+    try:
+        return auto_processor.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path}: the processor does not load ({type(error).__name__}: {first})") from error
+
+
 def load_policy(
     name_or_path: str,
     *,
@@ -178,7 +193,7 @@ def load_policy(
             processor_path = path
     config = AutoConfig.from_pretrained(path)
     frame = coordinate_frame_for(config.model_type)
-    processor = AutoProcessor.from_pretrained(processor_path)
+    processor = _load_processor(AutoProcessor, processor_path)
     if min_pixels is not None or max_pixels is not None:
         # the image processor's resize bounds (in pixels) live in size = {shortest_edge, longest_edge}
         size = dict(processor.image_processor.size)
