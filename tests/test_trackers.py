@@ -18,6 +18,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,20 @@ def test_none_and_the_other_processes_open_no_tracker(tmp_path):
         assert trackers.trackers == [] and trackers.state_path is None
     assert (tmp_path / "trackers.json").read_text() == '{"wandb": {"id": "abc", "last_step": 3}}'
     assert not (tmp_path / "trackers.json.tmp").exists()
+
+
+def test_an_unreachable_tracker_server_does_not_stall_the_start(untrained_tiny_dir, tmp_path, monkeypatch, caplog):
+    """MLflow against a server that refuses the connection retried for 249 s before the run could start.
+    Planted: the start without the one-try, 10-second setting; the test's own 60 s limit failed it."""
+    pytest.importorskip("mlflow", reason=EXTRA)
+    from vlm_grpo_ma.run.loop import train
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # loopback, a closed port
+    run = tmp_path / "run"
+    cfg = tiny_run_config(untrained_tiny_dir, run, "logging.report_to=[tensorboard,mlflow]", "logging.offline=false", steps=1)
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="vlm_grpo_ma.trackers"):
+        train(cfg)
+    assert time.monotonic() - started < 60
+    assert "tracker mlflow failed in start" in caplog.text
+    assert [s for s, _ in _tensorboard_scalars(run, "reward/mean")] == [1]  # the run went on with the others

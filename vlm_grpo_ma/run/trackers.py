@@ -21,6 +21,7 @@ Why each library's client and not ``accelerate.tracking`` (which wraps all five)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -41,6 +42,9 @@ STATE_FILE = "trackers.json"
 # --overwrite deletes them).
 TRACKER_OUTPUTS = (STATE_FILE, "tensorboard", "wandb", "mlflow.db", "mlartifacts", "swanlog", "trackio")
 NONE = "none"  # logging.report_to=[none]: metrics.jsonl only
+# How long a tracker may take to start against its server: past it the tracker is dropped with a warning and
+# the run goes on. An unreachable server held the start for minutes (MLflow's retries 249 s, W&B's 132 s).
+START_TIMEOUT_S = 10
 
 
 @dataclass
@@ -111,6 +115,21 @@ def check_report_to(names: list[str]) -> None:
     missing = [n for n in names if n != NONE and TRACKERS[n].module and importlib.util.find_spec(TRACKERS[n].module) is None]
     if missing:
         raise ValueError(f"{', '.join(missing)} not installed; install the trackers extra: pip install -e '.[trackers]'")
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """Environment variables set for the block, then put back as they were."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def check_trackers(cfg: Config) -> None:
@@ -385,7 +404,7 @@ class WandbTracker(Tracker):
             dir=str(settings.run_dir), id=settings.run_id, resume="allow" if settings.run_id else None,
             mode="offline" if settings.offline else None,
             # console="off": wandb would otherwise wrap sys.stdout/err; the progress bar and logs stay ours
-            settings=wandb.Settings(console="off", silent=True, init_timeout=120),
+            settings=wandb.Settings(console="off", silent=True, init_timeout=START_TIMEOUT_S),
             reinit="create_new",
         )  # fmt: skip
         if settings.run_id:  # resumed: the config may differ (train.steps ...); W&B keeps the newest values
@@ -420,6 +439,11 @@ class MlflowTracker(Tracker):
 
         uri = f"sqlite:///{settings.run_dir.resolve() / 'mlflow.db'}" if settings.offline else None
         self.client = client = MlflowClient(tracking_uri=uri)
+        with _environment(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(START_TIMEOUT_S)):
+            return self._start(client, settings)
+
+    def _start(self, client, settings: TrackerSettings) -> str:
+        """The run to log to, opened or reopened: one try per request, within START_TIMEOUT_S, at the start."""
         if settings.run_id:
             self.run_id = settings.run_id
             client.update_run(self.run_id, status="RUNNING")
