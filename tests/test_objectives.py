@@ -323,6 +323,11 @@ def test_dynamic_sampling_draws_more_prompts_counts_them_and_resumes_exactly(unt
         assert r["signal/zero_prompt_groups"] == pytest.approx(1 - informative / 2)
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["counters"]["resampled_prompts"] == sum(drawn)
+    # generated tokens count every draw the rollout time paid for (planted: the last draw's only; the redrawn
+    # steps then fell short of the trained tree's tokens or equalled them)
+    for r in a:
+        trained = 2 * 2 * r["rollout/thought_tokens"] + 2 * 2 * 2 * r["rollout/answer_tokens"]  # B = K = M = 2
+        assert (r["rollout/generated_tokens"] > trained) if r["signal/resampled_prompts"] else (r["rollout/generated_tokens"] == pytest.approx(trained)), r
 
 
 @pytest.mark.parametrize(

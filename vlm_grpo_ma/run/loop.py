@@ -58,7 +58,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                 run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
         while step < cfg.train.steps:
             started = time.perf_counter()
-            prompts, rollout, scored, rollout_seconds = sample_step(run, step)
+            prompts, rollout, scored, rollout_seconds, generated_tokens = sample_step(run, step)
             # groups whose K*M rewards are all equal: every advantage 0, nothing learned from them
             scored.counters["groups_without_signal"] += int((~informative_prompts(scored.rewards)).sum())
             step_counts = sum_over_processes(accelerator, scored.counters)
@@ -94,7 +94,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             step, guard.weights_changed, completed = step + 1, False, run.completed_state()
 
             metrics = step_metrics(run, rollout, scored, (thought_adv, answer_adv), batch, update, learning_rate,
-                                   seconds=(time.perf_counter() - started, rollout_seconds), step_counts=step_counts)  # fmt: skip
+                                   seconds=(time.perf_counter() - started, rollout_seconds), step_counts=step_counts,
+                                   generated_tokens=generated_tokens)  # fmt: skip
             evaluating = bool(run.eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
             if evaluating:
                 metrics.update(evaluate(run, step))
@@ -125,9 +126,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     return summary
 
 
-def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout, ScoredRollout, float]:
+def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout, ScoredRollout, float, int]:
     """This process's share of step ``step``: its prompts, their K x M rollout, scored (with DAPO's overlong
-    shaping when configured), and the seconds spent drawing and sampling.
+    shaping when configured), and the seconds spent drawing and sampling and the tokens generated in them (the
+    draws dynamic sampling set aside included, so that tokens per second are of the same work).
 
     Without ``algorithm.dynamic_sampling``: one draw of ``train.prompts_per_step`` prompts. With it
     (``dynamic_sampling.py``), the step is drawn again, up to ``algorithm.dynamic_sampling_max_draws`` more times,
@@ -137,7 +139,7 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
     extra draws are part of the stream's position."""
     cfg, algo = run.cfg, run.cfg.algorithm
     share, first = run.prompts_per_process, run.accelerator.process_index * run.prompts_per_process
-    groups, sampling_seconds, counts = [], 0.0, Counter()
+    groups, sampling_seconds, generated_tokens, counts = [], 0.0, 0, Counter()
     for draw in range(1 + (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 0)):
         started = time.perf_counter()
         # Each block between collectives runs in survive.together: an error on one process stops every process.
@@ -149,6 +151,7 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
                                         num_thoughts=cfg.rollout.num_thoughts, num_answers=cfg.rollout.num_answers,
                                         settings=settings)  # fmt: skip
         sampling_seconds += time.perf_counter() - started
+        generated_tokens += sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
         with survive.together(run.accelerator):
             scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
                                    truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
@@ -159,7 +162,7 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
                 penalty=algo.overlong_penalty, truncated_thoughts=cfg.rollout.truncated_thoughts,
             )  # fmt: skip
         if not algo.dynamic_sampling:
-            return rollout.prompts, rollout, scored, sampling_seconds
+            return rollout.prompts, rollout, scored, sampling_seconds, generated_tokens
         counts.update(scored.counters)
         counts["resampled_prompts"] += share if draw > 0 else 0
         groups += draw_groups(run.accelerator, rollout, scored, informative, samples, prompts)
@@ -168,7 +171,7 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
     rollout, scored = keep_groups(groups, cfg.train.prompts_per_step, first, share, counts)
     with survive.together(run.accelerator):  # a group sampled by another process: its prompt is encoded here
         prompts = [p if p is not None else encode_sample(run.policy, s) for p, s in zip(rollout.prompts, rollout.samples, strict=True)]
-    return prompts, dataclasses.replace(rollout, prompts=prompts), scored, sampling_seconds
+    return prompts, dataclasses.replace(rollout, prompts=prompts), scored, sampling_seconds, generated_tokens
 
 
 def step_prompts(run: RunState, step: int, draw: int = 0) -> tuple[list, list[EncodedPrompt | None], SamplingSettings]:
@@ -282,10 +285,11 @@ def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: in
 
 def step_metrics(
     run: RunState, rollout: Rollout, scored: ScoredRollout, advantages: tuple, batch: TrainBatch, update: dict,
-    learning_rate: float, seconds: tuple[float, float], step_counts: Counter,
+    learning_rate: float, seconds: tuple[float, float], step_counts: Counter, generated_tokens: int,
 ) -> dict:
     """The step's figures, averaged over the processes (``distributed.mean_over_processes``). ``seconds``: the
-    step's and its rollout's wall time; ``step_counts``: this step's counters, summed over the processes."""
+    step's and its rollout's wall time; ``step_counts``: this step's counters, summed over the processes;
+    ``generated_tokens``: this process's, in every draw of the step."""
     metrics = rollout_metrics(rollout, scored, *advantages, run.tasks)
     if run.cfg.algorithm.dynamic_sampling:
         metrics["signal/resampled_prompts"] = step_counts["resampled_prompts"]
@@ -293,7 +297,7 @@ def step_metrics(
     metrics.update(update)
     metrics.update(run.engine.step_metrics())  # vllm: rollout/prefix_cache_hit_rate
     metrics.update(sharding.state_bytes(run.policy.model, run.optimizer, run.accelerator.process_index, getattr(run.reference, "module", None)))
-    metrics.update(timing_metrics(rollout, batch, *seconds))
+    metrics.update(timing_metrics(batch, *seconds, generated_tokens))
     metrics.update(
         {
             "train/learning_rate": learning_rate,

@@ -49,15 +49,15 @@ def rollout_metrics(
     return metrics
 
 
-def timing_metrics(rollout: Rollout, batch: TrainBatch, step_seconds: float, rollout_seconds: float) -> dict:
+def timing_metrics(batch: TrainBatch, step_seconds: float, rollout_seconds: float, generated_tokens: int) -> dict:
+    """Speed figures; ``generated_tokens`` are those of every draw the rollout time was spent on."""
     trained_tokens = float(batch.num_trained_tokens())
-    generated_tokens = sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
     metrics = {
         "time/step_seconds": step_seconds,
         "time/rollout_seconds": rollout_seconds,
         "time/trained_tokens_per_second": trained_tokens / (step_seconds - rollout_seconds),
         "time/generated_tokens_per_second": generated_tokens / rollout_seconds,
-        "rollout/generated_tokens": generated_tokens,  # this process's, thoughts once + answers
+        "rollout/generated_tokens": generated_tokens,  # this process's, thoughts once + answers, every draw
     }
     if torch.cuda.is_available():  # a running maximum, in GiB
         metrics["time/peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
