@@ -228,3 +228,15 @@ def test_the_guide_example_registers_through_an_entry_point(tmp_path, monkeypatc
     install_dist(tmp_path, "colour_pkg", {"colour": "colour_task_ep"}, {"colour_task_ep": doc_example()}, monkeypatch)
     assert "colour" in list_tasks()
     assert registry._SOURCES["colour"].startswith("entry point colour = 'colour_task_ep'")
+
+
+def test_an_overlong_question_is_skipped_and_counted_at_load(fresh_registry, caplog):
+    """A 1 MB caption made the step that drew it allocate 44 GB. Planted: no length check; both samples loaded."""
+    def load(split="train", source=None):
+        return [task_api.Sample("long_q", "huge", "x" * 1_000_000, (), 1), task_api.Sample("long_q", "fine", "how many?", (), 1)]
+
+    task = task_api.register_task(task_api.Task(name="long_q", load=load, reward=test_the_core_imports_no_task_by_name, instruction=""))
+    with registry.count_load_skips() as skipped, caplog.at_level("WARNING"):
+        samples = registry.load_samples(task, "train")
+    assert [s.id for s in samples] == ["fine"] and skipped["overlong_prompts"] == 1
+    assert "skipping sample 'huge' of task 'long_q': its question has 1,000,000 characters, more than 100,000" in caplog.text

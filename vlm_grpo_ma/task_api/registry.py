@@ -138,12 +138,18 @@ def register_task(task: Task) -> Task:
     return task
 
 
+# A question longer than this is no prompt a Qwen-VL model takes (about 25k tokens and more): a 1 MB caption
+# made the step that drew it allocate 44 GB, a 100 MB one aborted in the tokenizer. Skipped and counted at load.
+MAX_QUESTION_CHARS = 100_000
+
+
 def load_samples(task: Task, split: str, source: str | None = None) -> list[Sample]:
     """``task.load(split, source)``, checked: a list of ``Sample`` whose ``task`` is the task's name (the core
     looks each sample's task up by it) and whose ids are unique (evaluation keys its records, and a resumed
     evaluation its progress, by id: two rows of one id became one prompt without a word). ValueError naming
     the task, where it is defined and the first bad sample; FileNotFoundError and ValueError of the loader
-    pass through."""
+    pass through. A sample whose question is over ``MAX_QUESTION_CHARS`` is dropped with ``skip_row`` (logged
+    naming it, counted as ``overlong_prompts``)."""
     samples = task.load(split, source)
     where = f"task {task.name!r} ({_SOURCES.get(task.name) or _defined_in(task)}): load({split!r})"
     if not isinstance(samples, list):
@@ -161,7 +167,14 @@ def load_samples(task: Task, split: str, source: str | None = None) -> list[Samp
             where_from = f" from {source}" if source else ""
             raise ValueError(f"{where}{where_from} returned two samples of id {sample.id!r}; sample ids must be unique")
         seen.add(sample.id)
-    return samples
+    kept = []
+    for sample in samples:
+        if len(sample.question) > MAX_QUESTION_CHARS:
+            skip_row("overlong_prompts", f"sample {sample.id!r} of task {task.name!r}",
+                     f"its question has {len(sample.question):,} characters, more than {MAX_QUESTION_CHARS:,}")  # fmt: skip
+        else:
+            kept.append(sample)
+    return kept
 
 
 def get_task(name: str) -> Task:
