@@ -39,6 +39,11 @@ def tag_after(completion, sample):
     return {"tag": completion}
 
 
+def images_seen(completion, sample):
+    """How many images the reward was sent."""
+    return {"images": float(len(sample.images))}
+
+
 def no_ok_part(completion, sample):
     return {"other": 1.0}
 
@@ -47,5 +52,6 @@ for name, reward, weights in (
     ("length_or_raise", length_or_raise, {"length": 1.0}),
     ("hang_on_request", hang_on_request, {"ok": 1.0}),
     ("no_ok_part", no_ok_part, {"ok": 1.0}),
+    ("images_seen", images_seen, {"images": 1.0}),
 ):
     register_task(Task(name, load=lambda *a: [], reward=reward, instruction="", reward_weights=weights))

@@ -168,3 +168,25 @@ def test_task_reward_reports_errors():
     task = get_task("length_or_raise")
     parts, reward, error = task_reward(task, task.reward_weights, Completion("", "abcde"), Sample("length_or_raise", "0", "q", (), None))
     assert (parts, reward) == ({}, 0.0) and isinstance(error, RewardError) and "a buggy reward" in str(error)
+
+
+def test_a_reward_is_sent_no_pixels_and_the_sample_stays_undecoded():
+    """Pickling a lazily opened image decoded it: a 0.7 MB JPEG travelled as 3.7 MB per answer and stayed decoded
+    in the trainer's sample. Planted: the sample sent with its images; the reward saw 1 image and the sample's
+    image was loaded."""
+    import io
+    import pickle
+
+    from PIL import Image
+
+    from vlm_grpo_ma.run.rewards import _without_images
+    from vlm_grpo_ma.task_api.images import open_lazily
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (512, 512), (10, 200, 30)).save(buffer, format="JPEG")
+    image = open_lazily(buffer.getvalue(), "test")
+    sample = Sample("images_seen", "s", "q", (image,), None)
+    parts, reward, error = task_reward(get_task("images_seen"), {"images": 1.0}, Completion("", ""), sample, timeout_s=30)
+    assert error is None and parts == {"images": 0.0}
+    assert getattr(image, "_im", None) is None  # still only the header and the encoded bytes
+    assert len(pickle.dumps(_without_images(sample))) < 1000

@@ -1,4 +1,5 @@
-"""``python -m vlm_grpo_ma.train``: arguments, dotted overrides, exit codes. ``main`` calls ``train.train``."""
+"""``python -m vlm_grpo_ma.train``: arguments, dotted overrides, exit codes. ``main`` calls ``loop.train``; with
+``--resume`` the settings are the run's own, the command line over them (``run_dir.resumed_settings``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """GRPO-MA training: ``python -m vlm_grpo_ma.train --task grounding`` (see ``--help``; the CLI is ``cli.py``).
 
 ``train()`` is the loop, read top to bottom: draw prompts, sample K thoughts x M answers, score, compute
-advantages, build the batch, update, log, evaluate, checkpoint. What it builds first is ``run_setup.setup_run``;
+advantages, build the batch, update, log, evaluate, checkpoint. What it builds first is ``setup.setup_run``;
 the update is ``update.update_policy``. Helpers are called, not inherited.
 """
 

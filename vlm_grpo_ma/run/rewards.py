@@ -4,6 +4,7 @@ counted (``reward_timeouts``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ import torch
 
 from vlm_grpo_ma.algorithm.advantages import overlong_penalty
 from vlm_grpo_ma.engines.rollout import Rollout
-from vlm_grpo_ma.task_api.registry import Task, get_task, weighted_reward
+from vlm_grpo_ma.task_api.registry import Sample, Task, get_task, weighted_reward
 from vlm_grpo_ma.task_api.reward_pool import DEFAULT_TIMEOUT_S, RewardTimeout, shared_pool
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,19 @@ def score_answers(
 ) -> list[tuple[dict[str, float], float, Exception | None]]:
     """``(parts, weighted reward, None)`` per ``(task, weights, completion, sample)`` job, in order, or
     ``({}, 0.0, error)`` when the reward raised (``RewardError``) or ran past ``timeout_s`` seconds
-    (``RewardTimeout``). The rewards run in ``workers`` worker processes; the result does not depend on it."""
+    (``RewardTimeout``). The rewards run in ``workers`` worker processes; the result does not depend on it.
+    A reward gets the sample without its images: pickling a lazily opened image decodes it (a 0.7 MB JPEG sent
+    as 3.7 MB, once per answer) and leaves it decoded in the trainer's sample; rewards read the truth, not
+    pixels (image sizes a reward needs travel in ``Sample.meta``)."""
     outcomes = shared_pool().run(
-        [(task.reward, completion, sample) for task, _, completion, sample in jobs], workers=workers, timeout_s=timeout_s
-    )
+        [(task.reward, completion, _without_images(sample)) for task, _, completion, sample in jobs],
+        workers=workers, timeout_s=timeout_s,
+    )  # fmt: skip
     return [_weighed(outcome, weights) for outcome, (_, weights, _, _) in zip(outcomes, jobs, strict=True)]
+
+
+def _without_images(sample):
+    return dataclasses.replace(sample, images=()) if isinstance(sample, Sample) and sample.images else sample
 
 
 def task_reward(

@@ -1,5 +1,6 @@
-"""The run directory: who may write into it (a fresh run, ``--resume``, ``--overwrite``), which checkpoint a
-resume continues from, and the summary written at the end."""
+"""The run directory: the lock one run holds on it for its life, who may write into it (a fresh run,
+``--resume``, ``--overwrite``), the settings and the checkpoint a resume continues from, and the summary
+written at the end."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The policy update of one training step: the one log-prob path (``score_rows``) and ``update_policy``.
 
 Every log-prob the loss uses comes through ``score_rows``: the trained ones, the old (sampling-policy) ones
-when a rollout is reused (``algorithm.num_iterations > 1``), and the KL reference's (``run_setup.make_reference``:
+when a rollout is reused (``algorithm.num_iterations > 1``), and the KL reference's (``setup.make_reference``:
 a frozen copy, or LoRA's adapters switched off). One function, one precision (``train.mixed_precision``).
 """
 
