@@ -126,3 +126,20 @@ def test_evaluate_falls_back_from_cut_weights_and_names_them(tmp_path, untrained
     assert err.startswith("error: ") and err.count("\n") == 1 and "model.safetensors does not load" in err
     assert torch.load(ckpt.checkpoint_dir(run, 1) / "state.pt", weights_only=False)["step"] == 1
 
+
+
+def test_a_process_that_does_not_see_the_main_processs_folder_is_refused(tmp_path):
+    """Processes on machines without a shared train.output_dir each chose their own checkpoint and whether to
+    save on the way out, and drifted or hung. Every process now compares the lock it sees with the main
+    process's. Planted: the comparison skipped; a process with another folder passed."""
+    from vlm_grpo_ma.run.config import ConfigError
+    from vlm_grpo_ma.run.run_dir import LOCK_FILE, check_shared_folder
+
+    (tmp_path / LOCK_FILE).write_text("pid 1 on host-a since 2026-12-06T08:00:00Z: train\n")
+    check_shared_folder(tmp_path, "pid 1 on host-a since 2026-12-06T08:00:00Z: train\n")
+    with pytest.raises(ConfigError, match=r"is not the folder the main process writes .* this process sees 'pid 2 on host-b"):
+        (tmp_path / LOCK_FILE).write_text("pid 2 on host-b since 2026-12-06T08:00:01Z: train\n")
+        check_shared_folder(tmp_path, "pid 1 on host-a since 2026-12-06T08:00:00Z: train\n")
+    (tmp_path / LOCK_FILE).unlink()
+    with pytest.raises(ConfigError, match="this process sees 'no lock'"):
+        check_shared_folder(tmp_path, "pid 1 on host-a since 2026-12-06T08:00:00Z: train\n")

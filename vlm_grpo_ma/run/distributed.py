@@ -74,6 +74,15 @@ def ddp_settings():
     return DistributedDataParallelKwargs(find_unused_parameters=False, gradient_as_bucket_view=True)
 
 
+def main_process_value(accelerator, value):
+    """The main process's ``value`` on every process (what the others pass is ignored)."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import gather_object
+
+    return gather_object([value])[0]
+
+
 def sum_over_processes(accelerator, counts: Counter) -> Counter:
     """Counters summed over the processes (every process gets the total)."""
     if accelerator.num_processes == 1:

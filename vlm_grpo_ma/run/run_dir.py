@@ -55,6 +55,20 @@ def hold_run_dir(run_dir: Path):
     return handle
 
 
+def check_shared_folder(run_dir: Path, main_stamp: str) -> None:
+    """ConfigError unless this process sees the lock the main process wrote in ``run_dir`` (``main_stamp``, its
+    text): the processes of a launch, on every machine, must share one folder, or each would choose its own
+    checkpoint to resume from and whether to save on the way out, and they would drift or hang."""
+    lock = run_dir / LOCK_FILE
+    seen = lock.read_text(encoding="utf-8").strip() if lock.is_file() else ""
+    if seen != main_stamp.strip():
+        raise ConfigError(
+            f"train.output_dir={run_dir} is not the folder the main process writes (its lock says {main_stamp.strip()!r};"
+            f" this process sees {seen or 'no lock'!r}): every process of a launch, on every machine, must see one"
+            " shared folder"
+        )
+
+
 def check_resumable(run_dir: Path) -> None:
     """Before a resume writes anything (its lock included): refuse a folder that holds outputs but no
     config.yaml. No run of this trainer wrote it (each writes its config first), and resuming would empty its

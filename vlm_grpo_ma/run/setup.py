@@ -24,14 +24,16 @@ from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run import sharding, survive
 from vlm_grpo_ma.run.batch import TrainBatch
 from vlm_grpo_ma.run.config import Config, ConfigError, save_config
-from vlm_grpo_ma.run.distributed import make_accelerator
+from vlm_grpo_ma.run.distributed import main_process_value, make_accelerator
 from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
 from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
 from vlm_grpo_ma.run.run_dir import (
     CONFIG_FILE,
+    LOCK_FILE,
     check_resumable,
+    check_shared_folder,
     checkpoint_to_resume,
     claim_run_dir,
     hold_run_dir,
@@ -111,15 +113,28 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
 
 def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: bool, overwrite: bool) -> RunState:
     """The rest of ``setup_run``, in the folder this process holds."""
-    num_processes = accelerator.num_processes
-    claim_run_dir(run_dir, resume=resume, overwrite=overwrite, delete=accelerator.is_main_process)
+    num_processes, is_main = accelerator.num_processes, accelerator.is_main_process
+    if num_processes > 1:  # one folder, shared by every process: the main process decides what is in it
+        stamp = main_process_value(accelerator, (run_dir / LOCK_FILE).read_text(encoding="utf-8") if is_main else None)
+        with survive.together(accelerator):
+            check_shared_folder(run_dir, stamp)
+    claim_run_dir(run_dir, resume=resume, overwrite=overwrite, delete=is_main)
     accelerator.wait_for_everyone()
 
     with count_load_skips() as load_skips:  # rows dropped at load (an unreadable image), counted below
         tasks, stream = load_prompt_stream(cfg)
     eval_sets = load_eval_sets(cfg, tasks)
 
-    last, history_state = checkpoint_to_resume(run_dir, resume)
+    with survive.together(accelerator):  # the main process chooses the checkpoint; the others load that one
+        last, history_state = checkpoint_to_resume(run_dir, resume) if is_main else (None, None)
+    if num_processes > 1:
+        last = main_process_value(accelerator, last)
+        with survive.together(accelerator):
+            if not is_main and last is not None:
+                try:
+                    history_state = ckpt.load_resumable_state(last)
+                except ckpt.CheckpointLoadError as error:  # it loaded on the main process: not one folder
+                    raise ConfigError(f"--resume: {error}, where the main process loaded it") from None
     policy = load_training_policy(cfg, last, accelerator.device)
     start_step = history_state["step"] if history_state is not None else 0
     scorer = CompletionScorer(policy, share_prefixes=shares_prefixes(cfg))
