@@ -17,7 +17,9 @@ from vlm_grpo_ma.run.metrics import read_metrics
 
 
 def _files(folder):
-    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+    """Every file of ``folder`` and its bytes, but the lock: a run that reaches setup stamps it with its pid and
+    start (run_dir.hold_run_dir), by design, before a later refusal."""
+    return {path: path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file() and path.name != ".run.lock"}
 
 
 @pytest.fixture

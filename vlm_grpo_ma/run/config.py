@@ -587,17 +587,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate(merge(Config(), values))
 
 
-def flat_settings(cfg: Config) -> dict[str, Any]:
-    """``{"section.key": value}`` of every setting."""
-    return {f"{section}.{key}": value for section, values in cfg.to_dict().items() for key, value in values.items()}
-
-
-def changed_settings(before: Config, after: Config) -> dict[str, tuple[Any, Any]]:
-    """``{"section.key": (before, after)}`` of the settings that differ."""
-    old, new = flat_settings(before), flat_settings(after)
-    return {key: (old[key], new[key]) for key in old if old[key] != new[key]}
-
-
 def save_config(cfg: Config, path: Path, *, history: list[str] = ()) -> None:
     """``cfg`` as YAML, after ``history`` as comment lines (what each resume changed, and when)."""
     comments = "".join(f"# {line}\n" for line in history)

@@ -10,9 +10,10 @@ import logging
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 from vlm_grpo_ma.run import checkpoint as ckpt
-from vlm_grpo_ma.run.config import Config, ConfigError, changed_settings, load_config
+from vlm_grpo_ma.run.config import Config, ConfigError, load_config
 from vlm_grpo_ma.run.metrics import format_summary, read_metrics, summarize
 from vlm_grpo_ma.run.trackers import TRACKER_OUTPUTS
 
@@ -113,6 +114,17 @@ RUN_DEFINING_KEYS = (
     "rollout.num_thoughts", "rollout.num_answers", "algorithm.advantage_estimator", "algorithm.answer_baseline",
     "algorithm.policy_loss", "algorithm.loss_aggregation", "train.prompts_per_step", "train.seed",
 )  # fmt: skip
+
+
+def flat_settings(cfg: Config) -> dict[str, Any]:
+    """``{"section.key": value}`` of every setting."""
+    return {f"{section}.{key}": value for section, values in cfg.to_dict().items() for key, value in values.items()}
+
+
+def changed_settings(before: Config, after: Config) -> dict[str, tuple[Any, Any]]:
+    """``{"section.key": (before, after)}`` of the settings that differ."""
+    old, new = flat_settings(before), flat_settings(after)
+    return {key: (old[key], new[key]) for key in old if old[key] != new[key]}
 
 
 def resumed_settings(cfg: Config, config_file: str | None, overrides: list[str], *, allow_changes: bool) -> Config:
