@@ -11,8 +11,8 @@ they are made, so an interrupted evaluation resumes where it stopped when the sa
 
 Outputs under ``--output-dir`` (default ``evals/<models>--<tasks>``): ``<model>/<task>-<split>/samples.jsonl`` (id, thought, answer, parsed
 prediction, reward parts), ``.../draw/*.png`` (prediction in red, truth in green, for tasks that draw),
-``results.json`` and ``results.md`` (one column per model). Training calls ``evaluate_task`` (the same code)
-every ``train.eval_every`` steps.
+``results.json`` and ``results.md`` (one column per model). Training scores its held-out samples with the same
+code (``run/evaluation.py``) every ``train.eval_every`` steps.
 """
 
 from __future__ import annotations
