@@ -1,5 +1,5 @@
 """Everything a run builds before its first step, in order: processes, run directory, data, model, optimizer,
-KL reference, resumed state, logger. ``setup_run`` returns it as a ``RunState``; ``train.train`` runs the loop.
+KL reference, resumed state, logger. ``setup_run`` returns it as a ``RunState``; ``loop.train`` runs the loop.
 
 The order is part of the behaviour: the seed is set before the data and the model (LoRA's initial adapters
 draw from it), and a resumed run's RNG state is restored after everything that draws at start.
