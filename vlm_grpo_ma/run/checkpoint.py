@@ -97,6 +97,20 @@ class CheckpointLoadError(Exception):
     """A file of a checkpoint that does not load; the message names it."""
 
 
+def newest_that_loads(checkpoints: list[Path], load, passed_over) -> tuple[Path | None, object, list[str]]:
+    """The newest of ``checkpoints`` (oldest first) whose ``load(checkpoint)`` raises no CheckpointLoadError,
+    what it returned, and the errors of the newer ones passed over (``passed_over(error)`` is called on each);
+    ``(None, None, errors)`` when none loads."""
+    failures = []
+    for checkpoint in reversed(checkpoints):
+        try:
+            return checkpoint, load(checkpoint), failures
+        except CheckpointLoadError as error:
+            failures.append(str(error))
+            passed_over(error)
+    return None, None, failures
+
+
 def load_resumable_state(path: Path) -> dict:
     """The training state of checkpoint ``path``, once its model's weight files are found whole: safetensors
     reads only a file's header, which gives every tensor's byte range, so a file cut short fails here (in

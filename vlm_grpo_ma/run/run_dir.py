@@ -27,6 +27,11 @@ RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "rollouts.jsonl", "summary.json",
 LOCK_FILE = ".run.lock"  # held (flock) by the run that writes the folder, for its whole life
 
 
+def outputs_in(run_dir: Path) -> list[str]:
+    """The run outputs (``RUN_OUTPUTS``) that ``run_dir`` holds."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
 def hold_run_dir(run_dir: Path):
     """An exclusive lock on the run folder, held until the returned file is closed or the process ends (the
     operating system releases it however the process ends: no stale lock after a crash). Another process
@@ -74,7 +79,7 @@ def check_resumable(run_dir: Path) -> None:
     """Before a resume writes anything (its lock included): refuse a folder that holds outputs but no
     config.yaml. No run of this trainer wrote it (each writes its config first), and resuming would empty its
     metrics.jsonl and write a config over its own."""
-    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    found = outputs_in(run_dir)
     if found and not (run_dir / CONFIG_FILE).is_file():
         raise ConfigError(
             f"--resume: {run_dir} holds {', '.join(found)} but no {CONFIG_FILE} of a run of this trainer, so there is"
@@ -89,7 +94,7 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool 
     Every process checks, so all of them stop on the same error."""
     if resume:
         return
-    found = [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    found = outputs_in(run_dir)
     if not found:
         return
     if not overwrite:
@@ -184,14 +189,10 @@ def checkpoint_to_resume(run_dir: Path, resume: bool) -> tuple[Path | None, dict
     found = ckpt.list_checkpoints(run_dir) if resume else []
     if resume and not found:
         log.info("--resume: no checkpoint in %s, starting from step 0", run_dir)
-    failures = []
-    for checkpoint in reversed(found):
-        try:
-            state = ckpt.load_resumable_state(checkpoint)
-        except ckpt.CheckpointLoadError as error:
-            failures.append(str(error))
-            log.warning("--resume: %s; trying the checkpoint before it", error)
-            continue
+    checkpoint, state, failures = ckpt.newest_that_loads(
+        found, ckpt.load_resumable_state, lambda error: log.warning("--resume: %s; trying the checkpoint before it", error)
+    )
+    if checkpoint is not None:
         if failures:
             log.warning("--resume: continuing from %s, the newest checkpoint that loads", checkpoint)
         return checkpoint, state

@@ -60,17 +60,15 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
                 raise FileNotFoundError(f"run {path} has no checkpoint for --step {step}; it has: {steps}")
         if not found:
             raise FileNotFoundError(f"run {path} has no checkpoint yet (checkpoints/ is empty)")
-        failures = []
-        for checkpoint in reversed(found):  # the newest whose weights load, as a resume picks it
-            try:
-                ckpt.check_weight_files(checkpoint / "model")
-            except ckpt.CheckpointLoadError as error:
-                failures.append(str(error))
-                if step is None:
-                    log.warning("%s; evaluating the checkpoint before it", error)
-                continue
-            return ModelSpec(f"{path.resolve().name}@{checkpoint.name}", str(checkpoint / "model"))
-        raise ValueError(f"no checkpoint of run {path} loads: " + "; ".join(failures))
+        def passed_over(error):
+            if step is None:  # an explicit --step is refused, not replaced
+                log.warning("%s; evaluating the checkpoint before it", error)
+
+        # the newest whose weights load, as a resume picks it
+        checkpoint, _, failures = ckpt.newest_that_loads(found, lambda c: ckpt.check_weight_files(c / "model"), passed_over)
+        if checkpoint is None:
+            raise ValueError(f"no checkpoint of run {path} loads: " + "; ".join(failures))
+        return ModelSpec(f"{path.resolve().name}@{checkpoint.name}", str(checkpoint / "model"))
     if path.exists():
         model = path / "model" if (path / "model").is_dir() and (path / "state.pt").is_file() else path
         try:
