@@ -7,6 +7,7 @@ the update is ``update.update_policy``. Helpers are called, not inherited.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -108,9 +109,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                     trees = rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step, thought_adv)
                     run.logger.log_rollouts(step, trees, [s.images[0] if s.images else None for s in rollout.samples[: len(trees)]])
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                with survive.together(accelerator):
-                    save_checkpoint(run, step, completed)
-                accelerator.wait_for_everyone()
+                save_checkpoint(run, step, completed, collective=True)
+                with survive.together(accelerator):  # a stop signal that waited for the save
+                    pass
     except BaseException as error:
         save_on_the_way_out(run, step, guard, completed, error)  # nothing lost on a crash or Ctrl-C
         raise
@@ -317,30 +318,34 @@ def eval_folder(run: RunState, step: int):
     return run.run_dir / "eval" / f"step-{step:06d}"
 
 
-def save_checkpoint(run: RunState, step: int, completed: dict) -> None:
+def save_checkpoint(run: RunState, step: int, completed: dict, *, collective: bool) -> None:
     """Checkpoint ``step``: weights, optimizer, scheduler, and ``completed`` (data position, counters and spike
     history as they were when step ``step`` ended). Collective under FSDP (every process writes its optimizer
-    shard), else written by the main process."""
+    shard; ``sharding.save_checkpoint``), else written by the main process. ``collective``: every process calls
+    this at the same point, so a write failing on the main process stops them all (``survive.together``);
+    False only where the other processes may not be here (the way out of an error on one process alone)."""
     cfg, policy = run.cfg, run.policy
     if run.fsdp is not None:
         training_state = {"scheduler": run.scheduler.state_dict(), **completed}
         sharding.save_checkpoint(
             run.scorer, policy, run.optimizer, run.run_dir, step, training_state=training_state,
-            keep=cfg.train.keep_checkpoints, is_main=run.accelerator.is_main_process,
+            keep=cfg.train.keep_checkpoints, accelerator=run.accelerator,
         )  # fmt: skip
         return
-    if run.accelerator.is_main_process:
-        def write_model(folder) -> None:
-            lora.save_model(policy, folder)
-            policy.processor.save_pretrained(folder)
 
-        ckpt.save_checkpoint(
-            run.run_dir,
-            step,
-            write_model=write_model,
-            training_state={"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), **completed},
-            keep=cfg.train.keep_checkpoints,
-        )
+    def write_model(folder) -> None:
+        lora.save_model(policy, folder)
+        policy.processor.save_pretrained(folder)
+
+    with survive.together(run.accelerator, act_on_signals=False) if collective else contextlib.nullcontext():
+        if run.accelerator.is_main_process:
+            ckpt.save_checkpoint(
+                run.run_dir,
+                step,
+                write_model=write_model,
+                training_state={"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(), **completed},
+                keep=cfg.train.keep_checkpoints,
+            )
 
 
 def save_on_the_way_out(run: RunState, step: int, guard: UpdateGuard, completed: dict, error: BaseException) -> None:
@@ -355,7 +360,7 @@ def save_on_the_way_out(run: RunState, step: int, guard: UpdateGuard, completed:
                   "(last: %s)", step, last_saved)  # fmt: skip
     elif step > run.start_step and (last_saved is None or not last_saved.name.endswith(f"{step:06d}")):
         log.error("interrupted after step %d: saving a checkpoint before exiting", step)
-        save_checkpoint(run, step, completed)
+        save_checkpoint(run, step, completed, collective=getattr(error, "stopped_together", False))
     if getattr(error, "stopped_together", False):
         # no process exits before the checkpoint is written: the launcher stops the others when one exits
         run.accelerator.wait_for_everyone()

@@ -42,6 +42,7 @@ import torch
 
 from vlm_grpo_ma.model import lora
 from vlm_grpo_ma.run import checkpoint as ckpt
+from vlm_grpo_ma.run import survive
 from vlm_grpo_ma.run.config import ConfigError
 
 SHARDED_OPTIMIZER = "sharded: optimizer/"  # the training state's "optimizer" entry of an FSDP checkpoint
@@ -295,37 +296,64 @@ def write_model(policy, folder: Path, state_dict: dict[str, torch.Tensor]) -> No
     policy.processor.save_pretrained(folder)
 
 
+class ShardedCheckpointError(RuntimeError):
+    """A sharded checkpoint's files did not write or read on some process; raised on every process alike."""
+
+
+@contextlib.contextmanager
+def _shard_failures(what: str) -> Iterator[None]:
+    """dcp shares every rank's failure and raises ``CheckpointException`` on every rank alike, but that is a
+    BaseException (past ``except Exception``, so past ``survive.together``) whose text is a traceback per rank:
+    turn it into one ShardedCheckpointError naming each failing process and its error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as error:
+        failures = "; ".join(
+            f"process {rank}: {type(failure).__name__}: {failure}" for rank, (failure, _) in sorted(error.failures.items())
+        )
+        raise ShardedCheckpointError(f"{what} failed on {failures}") from None
+
+
 def save_checkpoint(
-    scorer: torch.nn.Module, policy, optimizer, run_dir: Path, step: int, *, training_state: dict, keep: int, is_main: bool
+    scorer: torch.nn.Module, policy, optimizer, run_dir: Path, step: int, *, training_state: dict, keep: int, accelerator
 ) -> None:
     """Checkpoint ``step`` of a sharded run (collective: every process calls it): the model folder gathered on
     rank 0, the optimizer state sharded (each rank writes its part), the rest of the training state as in an
-    unsharded checkpoint. Written next to the checkpoint and renamed into place like any checkpoint."""
-    import torch.distributed as dist
+    unsharded checkpoint. Written next to the checkpoint and renamed into place like any checkpoint.
+
+    The collectives (the weights' gather, ``dcp.save``) run outside ``survive.together`` and every file write
+    inside one, so a write failing on one process (a full disk) stops every process at the next agreement
+    instead of leaving the others in a collective it never joins. ``dcp.save`` shares each rank's write
+    result itself: a shard that fails to write raises on every rank, inside its block. A pending stop signal
+    waits for the save to finish (``act_on_signals=False``): the checkpoint is what the signal asks for."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    is_main = accelerator.is_main_process
     optimizer = getattr(optimizer, "optimizer", optimizer)
     weights = full_state_dict(model_folder_state(policy), keep=is_main)
     if is_main:  # the others keep nothing
         log.info("checkpoint %d: gathered %d weight elements for the model folder", step, sum(w.numel() for w in weights.values()))
     staging = ckpt.checkpoint_dir(run_dir, step).with_name(f"step-{step:06d}.optimizer.tmp")
-    if is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    dist.barrier()
-    dcp.save({"optimizer": get_optimizer_state_dict(scorer, optimizer)}, checkpoint_id=str(staging))
-    dist.barrier()
-    if is_main:
-        ckpt.save_checkpoint(
-            run_dir,
-            step,
-            write_model=lambda folder: write_model(policy, folder, weights),
-            training_state={**training_state, "optimizer": SHARDED_OPTIMIZER},
-            keep=keep,
-            write_extra=lambda folder: os.replace(staging, folder / OPTIMIZER_FOLDER),
-        )
-    dist.barrier()
+    with survive.together(accelerator, act_on_signals=False):
+        if is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+    optimizer_state = {"optimizer": get_optimizer_state_dict(scorer, optimizer)}
+    with survive.together(accelerator, act_on_signals=False), _shard_failures(f"writing {staging}"):
+        dcp.save(optimizer_state, checkpoint_id=str(staging))
+    with survive.together(accelerator, act_on_signals=False):
+        if is_main:
+            ckpt.save_checkpoint(
+                run_dir,
+                step,
+                write_model=lambda folder: write_model(policy, folder, weights),
+                training_state={**training_state, "optimizer": SHARDED_OPTIMIZER},
+                keep=keep,
+                write_extra=lambda folder: os.replace(staging, folder / OPTIMIZER_FOLDER),
+            )
 
 
 def load_optimizer(scorer: torch.nn.Module, optimizer, checkpoint: Path) -> None:
@@ -339,5 +367,6 @@ def load_optimizer(scorer: torch.nn.Module, optimizer, checkpoint: Path) -> None
     if not folder.is_dir():
         raise FileNotFoundError(f"{checkpoint} is a sharded checkpoint without its {OPTIMIZER_FOLDER}/ folder")
     state = {"optimizer": get_optimizer_state_dict(scorer, optimizer)}
-    dcp.load(state, checkpoint_id=str(folder))
+    with _shard_failures(f"reading {folder}"):
+        dcp.load(state, checkpoint_id=str(folder))
     set_optimizer_state_dict(scorer, optimizer, state["optimizer"])
