@@ -21,7 +21,7 @@ For each model, one at a time (a 3B-4B model in bf16 takes 8-9 GB of host memory
 3. resumes that run (``--resume``) for a third step;
 4. prints per run: exit code, step times (from metrics.jsonl), and the trainer process's peak RSS (the
    kernel's ru_maxrss of that child); next to it the memory model's prediction for the same config on one
-   process (``vlm_grpo_ma.tools.memory``) plus the measured RSS of a process that only imports the trainer (Python,
+   process (``vlm_grpo_ma.run.memory_model``) plus the measured RSS of a process that only imports the trainer (Python,
    torch, transformers), and whether they agree within 20%.
 
 Exit status 0 when every run finished its steps, the resume continued at step 3, every parameter count
@@ -131,7 +131,7 @@ def published_line(arch: architectures.Architecture, params: int) -> tuple[str, 
 
 def predicted_bytes(arch: architectures.Architecture, model_dir: Path, checkpointing: bool) -> int:
     from vlm_grpo_ma.run.config import load_config
-    from vlm_grpo_ma.tools.memory import estimate
+    from vlm_grpo_ma.run.memory_model import estimate
 
     cfg = load_config(str(PRESET), overrides(model_dir, 2, checkpointing))
     return estimate(arch, cfg, processes=1, strategy="ddp").peak

@@ -157,10 +157,10 @@ def memory_figures(run_dir: Path, processes: int) -> list[dict[str, float]]:
 
 
 def predicted_bytes(model_dir: Path, overrides: list[str], strategy: str) -> dict[str, int]:
-    """What the memory model (vlm_grpo_ma.tools.memory) predicts each of 2 processes holds after a step."""
+    """What the memory model (vlm_grpo_ma.run.memory_model) predicts each of 2 processes holds after a step."""
     from vlm_grpo_ma.model.architectures import architecture_of
     from vlm_grpo_ma.run.config import load_config
-    from vlm_grpo_ma.tools.memory import estimate
+    from vlm_grpo_ma.run.memory_model import estimate
 
     e = estimate(architecture_of(str(model_dir)), load_config(None, overrides), 2, strategy)
     held = {"parameter": e.weights, "gradient": e.gradients_between_steps, "optimizer": e.optimizer, "reference": e.reference}

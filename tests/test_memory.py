@@ -1,4 +1,4 @@
-"""Architecture numbers and the memory model (vlm_grpo_ma.model.architectures, vlm_grpo_ma.tools.memory): parameter counts by
+"""Architecture numbers and the memory model (vlm_grpo_ma.model.architectures, vlm_grpo_ma.run.memory_model): parameter counts by
 hand against built models and the published figures; predicted bytes against a real model's parameters,
 gradients and AdamW state, and small cases computed by hand."""
 
@@ -18,6 +18,7 @@ from vlm_grpo_ma.model.architectures import (
     parameter_counts,
 )
 from vlm_grpo_ma.run.config import load_config
+from vlm_grpo_ma.run import memory_model
 from vlm_grpo_ma.tools import memory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +115,7 @@ def _cfg(*overrides):
 
 def test_tiny_full_fine_tuning_bytes_equal_the_real_model_and_adamw_state():
     measured = _tiny_policy_after_one_adamw_step(0, "float32")
-    e = memory.estimate(architecture_of("tiny"), _cfg("model.freeze_vision=false"), 1, "ddp")
+    e = memory_model.estimate(architecture_of("tiny"), _cfg("model.freeze_vision=false"), 1, "ddp")
     assert e.weights == measured["memory/rank0_parameter_bytes"]
     assert e.gradients == measured["memory/rank0_gradient_bytes"]
     assert e.optimizer == measured["memory/rank0_optimizer_bytes"]  # exp_avg, exp_avg_sq and a step per tensor
@@ -122,7 +123,7 @@ def test_tiny_full_fine_tuning_bytes_equal_the_real_model_and_adamw_state():
 
 def test_tiny_lora_bytes_equal_the_real_adapters_in_a_bf16_model():
     measured = _tiny_policy_after_one_adamw_step(8, "bfloat16")
-    e = memory.estimate(architecture_of("tiny"), _cfg("model.dtype=bfloat16", "model.lora_rank=8"), 1, "ddp")
+    e = memory_model.estimate(architecture_of("tiny"), _cfg("model.dtype=bfloat16", "model.lora_rank=8"), 1, "ddp")
     assert e.weights == measured["memory/rank0_parameter_bytes"]  # bf16 base + fp32 adapters
     assert e.gradients == measured["memory/rank0_gradient_bytes"]
     assert e.optimizer == measured["memory/rank0_optimizer_bytes"]
@@ -154,7 +155,7 @@ def test_small_case_by_hand():
     # and bias (6), o, gate, up, down (4), 2 norms: 12; 1 + 2 x 12 + 1 = 26
     counts = parameter_counts(SMALL)
     assert (counts.text, counts.text_tensors) == (316, 26)
-    e = memory.estimate(SMALL, _small_cfg(), 1, "ddp")
+    e = memory_model.estimate(SMALL, _small_cfg(), 1, "ddp")
     assert e.trained_elements == 316 and e.weights == 4 * counts.total
     assert (e.gradients, e.optimizer) == (4 * 316, 8 * 316 + 4 * 26)
     # rows: 2 prompts x 2 x 3 = 12, micro-batches of 4: 3. A prompt: 3 visual tokens (3 px / 1 px patches) + 64
@@ -170,14 +171,14 @@ def test_small_case_by_hand():
     # without checkpointing the 4 rows (1 prompt, its 2 thoughts, 4 answers) are tree-shared: 67 + 2 x 5 + 4 x 1
     # (an answer's last token is not fed) = 81 tokens x 208 = 16,848 a layer; attention 2 x 4 x 4 bytes x (1 row
     # x 67 + 2 x 72 + 4 x 73) = 16,096; 2 layers: 65,888; head (2 thoughts x 5 + 4 answers x 2) x 10 x 16 = 2,880
-    shared = memory.estimate(SMALL, _small_cfg("model.gradient_checkpointing=false"), 1, "ddp")
+    shared = memory_model.estimate(SMALL, _small_cfg("model.gradient_checkpointing=false"), 1, "ddp")
     assert shared.activations == 65888 + 2880
     assert e.peak == max(e.weights + e.optimizer + e.kv_cache, e.weights + e.optimizer + e.gradients + e.activations)
 
 
 def test_fsdp_splits_weights_optimizer_and_reference_and_gathers_for_the_rollout():
-    ddp = memory.estimate(SMALL, _small_cfg("algorithm.kl_coef=0.1", "train.micro_batch_rows=6"), 2, "ddp")
-    fsdp = memory.estimate(SMALL, _small_cfg("algorithm.kl_coef=0.1", "train.micro_batch_rows=6"), 2, "fsdp")
+    ddp = memory_model.estimate(SMALL, _small_cfg("algorithm.kl_coef=0.1", "train.micro_batch_rows=6"), 2, "ddp")
+    fsdp = memory_model.estimate(SMALL, _small_cfg("algorithm.kl_coef=0.1", "train.micro_batch_rows=6"), 2, "fsdp")
     total = parameter_counts(SMALL).total
     assert (ddp.weights, ddp.reference) == (4 * total, 4 * total)
     assert (fsdp.weights, fsdp.reference) == (2 * total, 2 * total)
@@ -185,22 +186,22 @@ def test_fsdp_splits_weights_optimizer_and_reference_and_gathers_for_the_rollout
     assert fsdp.optimizer == 4 * 316 + 4 * 26  # the moments split, the step counts on every process
     assert fsdp.fsdp_rollout_gather == 2 * total and ddp.fsdp_rollout_gather == 0
     # more than one micro-batch per process: the unsharded gradient is kept through the step
-    assert memory.estimate(SMALL, _small_cfg("train.micro_batch_rows=2"), 2, "fsdp").gradients == 4 * 316
+    assert memory_model.estimate(SMALL, _small_cfg("train.micro_batch_rows=2"), 2, "fsdp").gradients == 4 * 316
 
 
 def test_lora_has_no_reference_copy_and_bf16_autocast_halves_the_cache():
     cfg = _small_cfg("algorithm.kl_coef=0.1", "model.lora_rank=1", "model.lora_target_modules=[q_proj]")
-    e = memory.estimate(SMALL, cfg, 1, "ddp")
+    e = memory_model.estimate(SMALL, cfg, 1, "ddp")
     assert e.reference == 0 and e.trained_elements == 2 * (4 + 4)  # rank 1 x (in 4 + out 4) per layer
-    bf16 = memory.estimate(SMALL, _small_cfg("train.mixed_precision=bf16"), 1, "ddp")
+    bf16 = memory_model.estimate(SMALL, _small_cfg("train.mixed_precision=bf16"), 1, "ddp")
     assert bf16.kv_cache == 16 * 74 * 2 * 2 * 2 * 2 + 12 * 10 * 12
 
 
 def test_bad_arguments_name_the_value_and_the_choices():
     with pytest.raises(ValueError, match="strategy 'zero3' is not one of ddp, fsdp"):
-        memory.estimate(SMALL, _small_cfg(), 1, "zero3")
+        memory_model.estimate(SMALL, _small_cfg(), 1, "zero3")
     with pytest.raises(ValueError, match=r"processes 3: must be >= 1 and divide train.prompts_per_step \(2\)"):
-        memory.estimate(SMALL, _small_cfg(), 3, "ddp")
+        memory_model.estimate(SMALL, _small_cfg(), 3, "ddp")
 
 
 def test_cli_table_lists_every_preset(capsys):
@@ -211,7 +212,7 @@ def test_cli_table_lists_every_preset(capsys):
     memory.main(["--config", str(ROOT / "configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml"), "--processes", "8"])
     one = capsys.readouterr().out
     assert "3,754,622,976 parameters" in one and "fits in 80 GB" in one
-    assert [memory.verdict(n, 80) for n in (76_000_000_000, 76_000_000_001, 80_000_000_000, 80_000_000_001)] == ["fits", "tight", "tight", "no"]
+    assert [memory_model.verdict(n, 80) for n in (76_000_000_000, 76_000_000_001, 80_000_000_000, 80_000_000_001)] == ["fits", "tight", "tight", "no"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ def test_layer_bytes_equal_what_autograd_saves_per_layer(name, tokenizer, tmp_pa
                 lora.apply_lora(policy.model, rank=rank, alpha=2 * rank, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
             measured[layers, lora_rank] = _saved_bytes_of_the_shared_forward(policy, prompt, thoughts, answers, thought_tokens, answer_tokens)
             cfg = load_config(None, ["model.dtype=bfloat16", "train.mixed_precision=bf16", f"model.lora_rank={lora_rank}"])
-            predicted[lora_rank] = memory.tree_shared_layer_bytes(arch, cfg, prompts=1, prompt_tokens=len(prompt.input_ids), thoughts=thoughts,
+            predicted[lora_rank] = memory_model.tree_shared_layer_bytes(arch, cfg, prompts=1, prompt_tokens=len(prompt.input_ids), thoughts=thoughts,
                                                                   thought_tokens=thought_tokens, rows=thoughts * answers, answer_tokens=answer_tokens)  # fmt: skip
             if lora_rank:  # autocast's bf16 casts of a layer's adapters (the model counts them for all layers at once)
                 predicted[lora_rank] += lora_counts(arch, rank, cfg.model.lora_target_modules)[0] // layers * 2

@@ -146,3 +146,32 @@ def test_a_model_folder_without_its_tokenizer_is_one_line(tmp_path, untrained_ti
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == (
         f"error: {folder} has no tokenizer (tokenizer.json or tokenizer.model or vocab.json): copy the model's tokenizer files into it")
+
+
+def test_a_tree_too_large_for_memory_is_refused_before_anything_loads(tmp_path, capsys):
+    """K x M = 64 x 512 on the embedded model: 179 GB of KV cache by the memory model, which the run
+    found only when the rollout ran out of memory. Refused at start naming both keys, exit 2, no run folder.
+    Planted: the check not called in setup_run; the run started loading the model."""
+    run_dir = tmp_path / "run"
+    code = cli.main(["--task", "grounding", "--output-dir", str(run_dir), "rollout.num_thoughts=64", "rollout.num_answers=512"])
+    message = capsys.readouterr().err
+    assert code == 2 and "rollout.num_thoughts x rollout.num_answers = 64 x 512 does not fit" in message, message
+    assert not run_dir.exists()
+
+
+def test_the_largest_tree_named_is_the_largest_that_fits():
+    """The refusal names the largest M (for the run's K) whose estimated peak fits; a tree that fits and a model
+    that does not fit even at K = 2, M = 1 (the smallest tree) are not the tree's to refuse. Planted: ``<`` for ``<=`` in the search (the
+    named M was one short) and the K = 2, M = 1 guard removed (a model too large was blamed on K x M)."""
+    from vlm_grpo_ma.model.architectures import architecture_of
+    from vlm_grpo_ma.run.memory_model import estimate, tree_too_large
+
+    cfg = load_config(None, ["rollout.num_thoughts=8", "rollout.num_answers=64"])
+    arch = architecture_of(cfg.model.name_or_path)
+    peak = {m: estimate(arch, load_config(None, ["rollout.num_thoughts=8", f"rollout.num_answers={m}"])).peak for m in (20, 21, 64)}
+    memory = peak[20]  # M = 20 fits exactly, M = 21 does not
+    assert peak[20] < peak[21] < peak[64]
+    assert "With rollout.num_thoughts=8, at most rollout.num_answers=20 fits" in tree_too_large(arch, cfg, 1, "ddp", memory)
+    assert tree_too_large(arch, cfg, 1, "ddp", peak[64]) is None
+    smallest = estimate(arch, load_config(None, ["rollout.num_thoughts=2", "rollout.num_answers=1", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"])).peak
+    assert tree_too_large(arch, cfg, 1, "ddp", smallest // 2) is None

@@ -1,7 +1,7 @@
 """The published Qwen-VL architectures as numbers, their parameter counts by hand, and random-weight stand-ins.
 
 One source of truth for architecture numbers: ``scripts/gpu_check.py`` (the 3B GPU check),
-``scripts/check_real_size.py`` (every family at its published size on a CPU) and ``vlm_grpo_ma.tools.memory`` (the
+``scripts/check_real_size.py`` (every family at its published size on a CPU) and ``vlm_grpo_ma.run.memory_model`` (the
 memory model) read them from here.
 
 ``ARCHITECTURES`` holds each model's ``config.json`` as published on the Hugging Face hub (text and vision

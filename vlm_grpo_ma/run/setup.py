@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from vlm_grpo_ma.algorithm.diagnostics import GradSpikeMonitor
 from vlm_grpo_ma.model import lora
+from vlm_grpo_ma.model.architectures import architecture_of
 from vlm_grpo_ma.model.loading import Policy, count_parameters, load_policy
 from vlm_grpo_ma.model.logprobs import CompletionScorer
 from vlm_grpo_ma.run import checkpoint as ckpt
@@ -26,6 +28,7 @@ from vlm_grpo_ma.run.batch import TrainBatch
 from vlm_grpo_ma.run.config import Config, ConfigError, save_config
 from vlm_grpo_ma.run.distributed import main_process_value, make_accelerator
 from vlm_grpo_ma.run.held_out import load_eval_sets
+from vlm_grpo_ma.run.memory_model import tree_too_large
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
 from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
@@ -94,6 +97,7 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     accelerator = make_accelerator(cfg)
     num_processes = accelerator.num_processes
     check_engine(cfg, num_processes)  # vllm missing or with several processes: stop before anything loads
+    check_tree_fits(cfg, accelerator)  # a K x M the memory model says cannot fit: stop before anything loads
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -109,6 +113,32 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
         if run_lock is not None:  # released now, not when the traceback that holds it goes
             run_lock.close()
         raise
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory one process of a run has: its GPU's, or on a CPU the host's shared by the processes of this
+    machine (``LOCAL_WORLD_SIZE``, which the launchers set)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def check_tree_fits(cfg: Config, accelerator) -> None:
+    """ConfigError when the memory model (``memory_model.tree_too_large``) predicts that the run's K x M trees
+    cannot fit in a process's memory. The HF engine's KV cache is what it counts: a vLLM engine sizes its own
+    cache, and a model the memory model does not know is not checked."""
+    if cfg.rollout.engine != "hf":
+        return
+    try:
+        arch = architecture_of(cfg.model.name_or_path)
+    except (ValueError, OSError, KeyError) as error:  # not a family the memory model counts
+        log.debug("memory check skipped: %s", error)
+        return
+    strategy = "fsdp" if accelerator.num_processes > 1 and sharding.launch_settings() is not None else "ddp"
+    problem = tree_too_large(arch, cfg, accelerator.num_processes, strategy, device_memory_bytes(accelerator.device))
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: bool, overwrite: bool) -> RunState:

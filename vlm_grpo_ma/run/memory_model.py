@@ -1,0 +1,251 @@
+"""Memory model: the bytes one GPU holds for a run, predicted from architecture numbers and the config.
+
+Read by ``python -m vlm_grpo_ma.memory`` (``tools/memory.py``: a preset's table) and by the run's start
+(``check_fits``: a K x M that cannot fit is refused before the model loads).
+
+Every figure is a pure function of (``architectures.Architecture``, ``config.Config``, processes, strategy):
+
+- weights: every parameter in ``model.dtype``, LoRA adapters in fp32 (peft keeps them so); FSDP: 1/N each.
+- gradients: one per trained element, in the trained parameters' dtype. FSDP: 1/N, except that with more than
+  one micro-batch per process a unit keeps its unsharded gradient through the step (``sharding.sync_gradients``).
+- optimizer: AdamW's two moments per trained element in its dtype plus one 4-byte step count per trained
+  tensor; SGD none. FSDP: the moments 1/N (every process keeps its step counts).
+- KL reference (``algorithm.kl_coef > 0``): a frozen copy of the weights (FSDP: 1/N); none with LoRA, whose
+  reference is the same model with the adapters off.
+- activations (the update's peak): one micro-batch of ``train.micro_batch_rows`` rows. What a decoder layer
+  keeps for backward per token it encodes (``layer_bytes_per_token``) is the inventory autograd saves, measured
+  with saved-tensor hooks (tests/test_memory.py): both RMSNorms' inputs in fp32, the projections' inputs, the
+  MLP's four intermediate-width tensors, the new keys and values, LoRA's input casts and rank-wide outputs,
+  Qwen3-VL's q/k norm inputs. Attention also keeps, per layer and row of a block, the keys and values of the
+  row's whole context repeated to every query head (sdpa's grouped-query path; ``attention_bytes``). With
+  LoRA under bf16 autocast the adapters' bf16 casts are kept too. Gradient checkpointing (rows re-encode
+  prompt + thought + answer: transformers drops the KV cache) keeps every layer's input and one layer's
+  tensors at a time; without it the rows are tree-shared (each prompt and thought of the micro-batch encoded
+  once, ``logprobs.shared_prefix_logprobs``) and every layer's tensors of those tokens are kept. The log-prob
+  head: the scored positions' logits in the compute dtype, their fp32 copy, log-softmax and its gradient
+  (3 x 4 bytes). A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
+- KV cache (the rollout's peak): keys and values of every layer for the process's prompts x (K x M + K) rows
+  (the K thought rows and their K x M copies exist together while the cache is repeated), each of prompt +
+  thought + answer tokens, in the compute dtype; plus the sampled rows' fp32 logits, probabilities and
+  log-probabilities over the vocabulary. FSDP gathers the whole model for the rollout: the other (N-1)/N of
+  the weights are added to this phase.
+
+The peak is weights + optimizer + reference + the larger of (rollout: KV cache [+ FSDP gather]) and (update:
+gradients + activations). A prompt is its visual tokens (``model.max_pixels`` / (patch x merge)^2) plus
+``prompt_text_tokens`` (64: system prompt and instruction). Not counted: CUDA context and allocator slack
+(~1-3 GB on a GPU), image preprocessing on the host. ``scripts/check_real_size.py`` compares the one-process
+prediction with the peak RSS measured on a CPU; ``scripts/check_two_process.py --strategy fsdp`` prints the
+per-rank parameter, gradient, optimizer and reference bytes the FSDP split is checked against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from vlm_grpo_ma.model.architectures import (
+    Architecture,
+    head_dim,
+    lora_counts,
+    parameter_counts,
+)
+from vlm_grpo_ma.run.config import Config
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STRATEGIES = ("ddp", "fsdp")
+PARTS = ("weights", "gradients", "optimizer", "reference", "activations", "kv_cache")
+PROMPT_TEXT_TOKENS = 64
+GPU_SIZES_GB = (80, 141)
+TIGHT = 0.95  # a peak above 95% of the GPU is called tight: CUDA context and allocator slack are not counted
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    gradients: int
+    optimizer: int
+    reference: int
+    activations: int
+    kv_cache: int
+    fsdp_rollout_gather: int  # FSDP: the rest of the weights, gathered for the rollout
+    gradients_between_steps: int  # FSDP: the shards (what sharding.state_bytes reads after a step)
+    trained_elements: int
+    micro_batches_per_process: int
+
+    @property
+    def rollout_peak(self) -> int:
+        return self.weights + self.optimizer + self.reference + self.kv_cache + self.fsdp_rollout_gather
+
+    @property
+    def update_peak(self) -> int:
+        return self.weights + self.optimizer + self.reference + self.gradients + self.activations
+
+    @property
+    def peak(self) -> int:
+        return max(self.rollout_peak, self.update_peak)
+
+
+def compute_bytes(cfg: Config) -> int:
+    """Bytes per element of activations and the KV cache: bf16 under autocast or bf16 weights, else the weights'."""
+    return 2 if cfg.train.mixed_precision == "bf16" else DTYPE_BYTES[cfg.model.dtype]
+
+
+def visual_tokens(arch: Architecture, max_pixels: int | None) -> int:
+    """Visual tokens of the largest image the processor lets through (``max_pixels``; None: the tiny
+    processor's 168 x 168)."""
+    pixels = max_pixels if max_pixels is not None else 168 * 168
+    merged_patch = arch.vision["patch_size"] * arch.vision["spatial_merge_size"]
+    return pixels // merged_patch**2
+
+
+def trained_counts(arch: Architecture, cfg: Config) -> tuple[int, int, int]:
+    """(trained elements, trained tensors, bytes per trained element)."""
+    if cfg.model.lora_rank > 0:
+        elements, tensors = lora_counts(arch, cfg.model.lora_rank, cfg.model.lora_target_modules)
+        return elements, tensors, 4
+    counts = parameter_counts(arch)
+    if cfg.model.freeze_vision:
+        return counts.text, counts.text_tensors, DTYPE_BYTES[cfg.model.dtype]
+    return counts.total, counts.text_tensors + counts.vision_tensors, DTYPE_BYTES[cfg.model.dtype]
+
+
+def layer_bytes_per_token(arch: Architecture, cfg: Config) -> int:
+    """Bytes one decoder layer keeps for backward per token it encodes, besides attention's keys and values over
+    the context (``attention_bytes``). Counted from what autograd saves (tests/test_memory.py measures it):
+    the two RMSNorms' inputs in fp32 (2 x hidden x 4), the MLP's gate, up, activation and product (4 x
+    intermediate), the new keys and values (2 x kv), the attention and MLP projections' inputs (4 x hidden; with
+    LoRA on them 6 x hidden, and each adapter's rank-wide output), and Qwen3-VL's q/k norms' fp32 inputs (and,
+    when those norms are trained, their outputs)."""
+    a = compute_bytes(cfg)
+    t = arch.text
+    h, intermediate = t["hidden_size"], t["intermediate_size"]
+    q, kv = t["num_attention_heads"] * head_dim(t), t["num_key_value_heads"] * head_dim(t)
+    lora = cfg.model.lora_rank > 0
+    kept = 2 * h * 4 + 4 * intermediate * a + 2 * kv * a
+    kept += (6 * h + len(cfg.model.lora_target_modules) * cfg.model.lora_rank) * a if lora else 4 * h * a
+    if arch.family == "qwen3_vl":
+        kept += (q + kv) * 4 + (0 if lora else (q + kv) * a)
+    return kept
+
+
+def attention_bytes(arch: Architecture, cfg: Config, rows: int, context: int) -> int:
+    """Bytes one decoder layer's attention keeps for ``rows`` rows that attend to ``context`` tokens each: their
+    keys and values repeated to every query head (transformers' sdpa path copies them for grouped-query
+    attention; flash-attention keeps them unrepeated, so this is an upper bound there)."""
+    t = arch.text
+    return 2 * rows * context * t["num_attention_heads"] * head_dim(t) * compute_bytes(cfg)
+
+
+def tree_shared_layer_bytes(arch: Architecture, cfg: Config, *, prompts: int, prompt_tokens: int, thoughts: int, thought_tokens: int, rows: int, answer_tokens: int) -> int:
+    """Bytes one decoder layer keeps in the tree-shared training forward (``logprobs.shared_prefix_logprobs``):
+    ``prompts`` prompts encoded once, ``thoughts`` thoughts once each on their prompt's cache, ``rows`` answers on
+    their thought's (an answer's last token is not fed: it predicts nothing scored)."""
+    answer_fed = max(answer_tokens - 1, 1)
+    encoded = prompts * prompt_tokens + thoughts * thought_tokens + rows * answer_fed
+    attention = (
+        attention_bytes(arch, cfg, prompts, prompt_tokens)
+        + attention_bytes(arch, cfg, thoughts, prompt_tokens + thought_tokens)
+        + attention_bytes(arch, cfg, rows, prompt_tokens + thought_tokens + answer_fed)
+    )
+    return encoded * layer_bytes_per_token(arch, cfg) + attention
+
+
+def estimate(arch: Architecture, cfg: Config, processes: int = 1, strategy: str = "ddp", prompt_text_tokens: int = PROMPT_TEXT_TOKENS) -> MemoryEstimate:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if processes < 1 or cfg.train.prompts_per_step % processes:
+        raise ValueError(f"processes {processes}: must be >= 1 and divide train.prompts_per_step ({cfg.train.prompts_per_step})")
+    shard = processes if strategy == "fsdp" else 1
+    counts = parameter_counts(arch)
+    weight_bytes = DTYPE_BYTES[cfg.model.dtype]
+    trained, trained_tensors, trained_bytes = trained_counts(arch, cfg)
+    lora_bytes = trained * trained_bytes if cfg.model.lora_rank > 0 else 0
+    full_weights = counts.total * weight_bytes + lora_bytes
+    weights = math.ceil(full_weights / shard)
+
+    prompts = cfg.train.prompts_per_step // processes
+    k, m = cfg.rollout.num_thoughts, cfg.rollout.num_answers
+    rows = prompts * k * m  # answer rows = training rows of the process
+    micro_batches = math.ceil(rows / cfg.train.micro_batch_rows)
+    unsharded_grads = strategy == "fsdp" and micro_batches > 1
+    gradients = trained * trained_bytes if unsharded_grads else math.ceil(trained * trained_bytes / shard)
+    optimizer = 0
+    if cfg.train.optimizer == "adamw":
+        optimizer = math.ceil(2 * trained * trained_bytes / shard) + 4 * trained_tensors
+    reference = math.ceil(counts.total * weight_bytes / shard) if cfg.algorithm.kl_coef > 0 and cfg.model.lora_rank == 0 else 0
+
+    a = compute_bytes(cfg)
+    t = arch.text
+    h, layers, vocab = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
+    kv = t["num_key_value_heads"] * head_dim(t)
+    thought_tokens, answer_tokens = cfg.rollout.max_thought_tokens, cfg.rollout.max_answer_tokens
+    completion = thought_tokens + answer_tokens
+    prompt_tokens = visual_tokens(arch, cfg.model.max_pixels) + prompt_text_tokens
+    sequence = prompt_tokens + completion
+    micro = min(cfg.train.micro_batch_rows, rows)
+    if cfg.model.gradient_checkpointing:  # rows re-encoded; layer inputs kept, one layer recomputed at a time
+        decoder = layers * micro * sequence * h * a + micro * sequence * layer_bytes_per_token(arch, cfg) + attention_bytes(arch, cfg, micro, sequence)
+        head = micro * completion * vocab * (a + 12)
+    else:  # tree-shared: each prompt and thought of the micro-batch encoded once, every layer's tensors kept
+        micro_prompts = min(prompts, math.ceil(micro / (k * m)))
+        micro_thoughts = min(micro_prompts * k, math.ceil(micro / m))
+        decoder = layers * tree_shared_layer_bytes(arch, cfg, prompts=micro_prompts, prompt_tokens=prompt_tokens, thoughts=micro_thoughts,
+                                                   thought_tokens=thought_tokens, rows=micro, answer_tokens=answer_tokens)  # fmt: skip
+        head = (micro_thoughts * thought_tokens + micro * answer_tokens) * vocab * (a + 12)  # each thought scored once
+    lora_casts = trained * a if cfg.model.lora_rank > 0 and a < trained_bytes else 0  # autocast's casts of the adapters
+    vision = 0
+    if not cfg.model.freeze_vision and cfg.model.lora_rank == 0:
+        v = arch.vision
+        width = v.get("embed_dim") or v["hidden_size"]
+        images = visual_tokens(arch, cfg.model.max_pixels)
+        patches = images * v["spatial_merge_size"] ** 2
+        distinct_images = min(micro, prompts)  # rows of one prompt share its image's encoding
+        vision = distinct_images * patches * width * a * v["depth"]
+    activations = decoder + head + lora_casts + vision
+
+    kv_rows = prompts * (k * m + k)
+    kv_cache = kv_rows * sequence * layers * 2 * kv * a + prompts * k * m * vocab * 12
+    gather = full_weights - weights if strategy == "fsdp" and processes > 1 else 0
+    return MemoryEstimate(
+        weights=weights, gradients=gradients, optimizer=optimizer, reference=reference, activations=activations,
+        kv_cache=kv_cache, fsdp_rollout_gather=gather, gradients_between_steps=math.ceil(trained * trained_bytes / shard), trained_elements=trained, micro_batches_per_process=micro_batches,
+    )  # fmt: skip
+
+
+def verdict(peak: int, gpu_gb: float) -> str:
+    """fits; tight (within the last 5%, which the CUDA context and the allocator's slack may take); no."""
+    if peak <= TIGHT * gpu_gb * 1e9:
+        return "fits"
+    return "tight" if peak <= gpu_gb * 1e9 else "no"
+
+
+
+
+def _with_tree(cfg: Config, thoughts: int, answers: int) -> Config:
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_thoughts=thoughts, num_answers=answers))
+
+
+def tree_too_large(arch: Architecture, cfg: Config, processes: int, strategy: str, memory_bytes: int) -> str | None:
+    """Why the run's K x M cannot fit in ``memory_bytes`` per process by this model's own estimate, naming the
+    keys and the largest tree that fits; None when the estimated peak fits, or when even K = 2, M = 1 (the
+    smallest tree a config allows) does not: then the model or the micro-batch is what is too large, not the
+    tree, and the estimate leaves out what a user may add against that, such as offloading. Only the estimate's peak against the whole memory: the
+    CUDA context and the allocator's slack are not counted, so a run this refuses cannot fit."""
+    k, m = cfg.rollout.num_thoughts, cfg.rollout.num_answers
+    run = estimate(arch, cfg, processes, strategy)
+    if run.peak <= memory_bytes or estimate(arch, _with_tree(cfg, 2, 1), processes, strategy).peak > memory_bytes:
+        return None
+    fits = lambda thoughts, answers: estimate(arch, _with_tree(cfg, thoughts, answers), processes, strategy).peak <= memory_bytes  # noqa: E731
+    answers = max((a for a in range(1, m + 1) if fits(k, a)), default=0)
+    if answers:
+        largest = f"With rollout.num_thoughts={k}, at most rollout.num_answers={answers} fits"
+    else:
+        thoughts = max(t for t in range(2, k + 1) if fits(t, 1))
+        largest = f"With rollout.num_answers=1, at most rollout.num_thoughts={thoughts} fits"
+    return (
+        f"rollout.num_thoughts x rollout.num_answers = {k} x {m} does not fit: the memory model predicts a peak of "
+        f"{run.peak / 1e9:.1f} GB per process (rollout {run.rollout_peak / 1e9:.1f} GB, of which {run.kv_cache / 1e9:.1f} GB "
+        f"of KV cache; update {run.update_peak / 1e9:.1f} GB) against {memory_bytes / 1e9:.1f} GB. {largest}; "
+        f"fewer train.prompts_per_step or shorter rollout.max_thought_tokens / max_answer_tokens also shrink it "
+        f"(python -m vlm_grpo_ma.memory --config ... shows the parts)"
+    )
