@@ -163,3 +163,22 @@ def test_lora_under_fsdp_trains_what_one_process_trains(untrained_tiny_dir, tmp_
     gathered = [int(n) for n in re.findall(r"checkpoint 2: gathered (\d+) weight elements", logs["two", 2])]
     assert gathered == [sum(t.numel() for t in adapter("one", 2).values())]  # once, on rank 0: the adapter only
     assert load_policy(str(tmp_path / "two" / "checkpoints" / "step-000002" / "model")).adapter is not None
+
+
+def test_a_shard_that_fails_to_write_is_one_error_naming_the_process(tmp_path, monkeypatch):
+    """dcp raises CheckpointException, a BaseException that passed ``survive.together``'s ``except Exception``
+    (every process then left the block by a different road) with a traceback per rank for a message. Planted:
+    ``_shard_failures`` passing it through; the CheckpointException escaped. The two-process case, a full disk
+    on one process mid-save: tests/test_multiprocess.py."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def full_disk(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    with pytest.raises(sharding.ShardedCheckpointError, match=r"^writing X failed on process 0: OSError: \[Errno 28\] No space left on device$"):
+        with sharding._shard_failures("writing X"):
+            dcp.save({"optimizer": {"step": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "shards"))
