@@ -17,45 +17,49 @@ answer tag (absent, repeated, cut off) scores 0 on both parts. The reward never 
 Equivalence (``is_equivalent``), tried in this order:
   1. a ground truth without digits or LaTeX (MathVista ``text`` answers, ``meta["answer_type"] == "text"``)
      is compared as text after ``normalise_answer``;
-  2. an answer whose form says it is not the answer is wrong, whatever its numbers (``refused_form``, below);
-  3. when both sides are plain numbers (``1,000``, ``-2.5``, ``1e3``, ``$5``, ``x = 5``, ``12 cm``,
-     ``45^\\circ``, ``50%``: a trailing unit is dropped) they are compared exactly as decimals, or, with
-     ``meta["precision"] = p`` (MathVista's number of decimals), after rounding both half-up to p decimals;
+  2. both sides are read by the grammar of ``tasks/_math_grammar.py``,
+     ``answer := [lead] [label relation] [hedge] [currency] value [unit]`` (``x = 5``, ``AB = 5``,
+     ``m\\angle ABC = 30^\\circ``, ``$5``, ``12 cm``, "The answer is 12"); an answer whose form says it is
+     not the answer is wrong whatever its numbers (below). Otherwise the values are compared, labels and
+     units dropped (the whole answers when the truth is a relation such as ``x \\neq 6``).
+  3. when both values are plain numbers (``1,000``, ``-2.5``, ``1e3``) they are compared exactly as
+     decimals, or, with ``meta["precision"] = p`` (MathVista's number of decimals), after rounding both
+     half-up to p decimals;
   4. otherwise math-verify decides (``1/2`` == ``0.5`` == ``\\frac{1}{2}`` == ``\\boxed{\\frac12}``,
-     ``2\\sqrt{221}`` == ``\\sqrt{884}``, ``5\\text{ cm}`` == ``5``, matrices, vectors and tuples element by
-     element), rounding floats to p decimals when a precision is given (6 otherwise, math-verify's default);
-  5. when math-verify cannot parse a side, or the screen below refuses it (prose such as "The answer is 12"
-     has too many letters to be a formula), the answer is right when each side holds exactly one number and
-     those match as in 3 ("5 or 6" and "1, 2, 3" hold several and are wrong), unless the answer applies a
-     function the screen guards to its number (``\\Gamma(\\Gamma(5))``, refused by the screen, is not 5).
+     ``2\\sqrt{221}`` == ``\\sqrt{884}``, matrices, vectors and tuples element by element), rounding floats to
+     p decimals when a precision is given (6 otherwise, math-verify's default); its unit stripping is off
+     (units are the grammar's), and two numbers that a 30-digit evaluation tells apart are unequal without
+     it (``_numerically_apart``: sympy's simplify takes minutes on some, and calls ``\\sqrt{\\infty}`` 6);
+  5. when math-verify cannot judge (a side does not parse, or the screen below refuses it), a value that is
+     one number in redundant brackets (``((((((5))))))``, past the screen's nesting limit) is that number;
+     anything else is wrong.
 Answers longer than MAX_ANSWER_CHARS are wrong without being read: no ground truth is that long.
 
-Answers that are not the answer (rule 2). Math-verify and the one-number fallback read the value out of an
-answer and ignore what the words around it say, which made four kinds of wrong answer score as right. Each is
-now wrong unless the ground truth has the same form:
-  * a negation: "not 6", "the answer is not 6", "isn't 6", ``x \\neq 6``, ``\\ne 6``, "≠", ``\\neg 6``, "¬6",
-    ``6 \\text{ is wrong}`` (the words not, no, never, none, cannot, wrong, false, incorrect, untrue, any "n't");
-  * a relation between values: ``5 = 6``, ``5 \\equiv 6``, ``x = y = 6`` (math-verify grades one side); only
-    "name = value" (``x = 6``, ``x_1 = 6``, ``\\theta = 6``) gives the answer;
-  * a hedge when the truth is exact: ``\\approx 6``, "≈ 6", "~6", ``\\sim 6``, "about/approximately/around/
-    roughly/nearly 6". A hedge is accepted when the truth is approximate: ``meta["precision"]`` is set (MathVista
-    floats, Geometry3K's "round to the nearest tenth") or the truth hedges itself;
-  * several values where the truth is one value: "6, 6", "6; 6", "6 and 6", ``x=5 \\lor x=6``, and what is
-    left of several math spans, ``5$ $6`` (a ``$`` that does not start a number) ("6 or 7" already failed). "One
-    value" means no comma, semicolon, matrix cell or row, "and"/"or" in the truth; the prediction lists values
-    when it has a comma or semicolon outside every bracket (thousands commas such as ``6,000`` aside) or the
-    word "and"/"or". A tuple ``(6, 6)`` is one value and is compared as a tuple (wrong against ``6``).
+Answers that are not the answer (rule 2). Math-verify and a one-number fallback read the value out of an
+answer whatever was written around it ("not 6", ``6 \\text{ is bogus}``, ``\\cancel{6}``, "perhaps 6" scored
+as 6), and the word lists of negations and hedges that replaced them missed every word they did not list
+while refusing labelled answers (``AB = 5``, ``f(2) = 6``) as relations. The grammar says instead what an
+answer may be, and ``refusal`` names what breaks it; unless the truth has the same, an answer is wrong with
+a character outside ASCII and a few math symbols (look-alike letters and digits), a LaTeX command outside
+the grammar's list (``\\nequiv``, ``\\cancel``, ``\\neg``, ``\\lor``), a relation other than
+"label = value" (``5 = 6``, ``x = y = 6``, ``x \\neq 6``), a stray ``$`` (``5$ $6``), several values
+("6, 6"), a word in its value that is not a unit ("perhaps 6", "6 maybe", "6 and 7"), or a box that is not
+its whole value (``7 \\boxed{6}``: math-verify reads only the box). A hedge
+(``\\approx 6``, "~6", "about 6") is accepted only when the truth is approximate: ``meta["precision"]`` is
+set (MathVista floats, Geometry3K's "round to the nearest tenth") or the truth hedges itself.
 
 Guarding math-verify. Sympy can take minutes or exhaust memory on short hostile input (``9^{9^{9^{9}}}``,
 ``(10^{10})!``, ``\\binom{10^{10}}{10^{5}}``, ``(a+b+c+d)^{99}``, ``\\Gamma(\\Gamma(\\Gamma(5)))``), and much of
 that time is spent inside single C-level big-integer operations that no timer can interrupt. So an answer
 first has to pass a static screen (``safe_for_math_verify``: bounded length, nesting, digits, exponents,
-factorials, binomials, nested or long arguments of ``\\Gamma``, ``\\exp``, ``\\sinh``, ``\\cosh``);
+factorials, binomials, and at most one function that grows faster than any power (``\\Gamma``, ``\\exp``,
+the hyperbolic functions), of a short argument, with no power, factorial or binomial beside it);
 ``\\begin{...}``/``\\end{...}`` environment names are not variables. What the screen
 lets through unbounded is bounded by the reward's deadline: every task reward runs in a worker process that is
 killed when it passes ``rollout.reward_timeout_s`` (``vlm_grpo_ma/task_api/reward_pool.py``), in training and
 evaluation alike, from any thread. (A SIGALRM timer used to guard the main thread only; it is gone.) The
-measurements behind each screen limit are in the comments at the limits. Every regex here is linear-time.
+screen lives in ``tasks/_math_grammar.py`` with the grammar; the measurements behind each limit are in the
+comments at the limits. Every regex here and there is linear-time.
 
 Sources for ``load``: the embedded synthetic set (``data/math``, made by ``data/make_math.py``: counting
 questions about pictures of shapes plus text-only word problems), and local ``.jsonl``/``.json``/
@@ -84,6 +88,13 @@ from decimal import ROUND_HALF_UP, Decimal, InvalidOperation, localcontext
 from pathlib import Path
 from typing import Any
 
+from tasks._math_grammar import (  # noqa: F401 - re-exported: the screen and unwrapping are math's API
+    MAX_ANSWER_CHARS,
+    read_answer,
+    refusal,
+    safe_for_math_verify,
+    unwrap_answer,
+)
 from vlm_grpo_ma.task_api import (
     Completion,
     Sample,
@@ -129,9 +140,6 @@ SCHEMAS = {
     "gsm8k": GSM8K_COLUMNS,
 }
 
-# No benchmark answer comes near this; a longer answer is wrong without being parsed (a 10,000-digit number
-# costs nothing to reject and would cost math-verify and Decimal real time).
-MAX_ANSWER_CHARS = 200
 # The longest digit run in a plain number: 40 digits is far past any benchmark answer and keeps Decimal work
 # trivial.
 MAX_NUMBER_DIGITS = 40
@@ -139,63 +147,14 @@ MAX_NUMBER_DIGITS = 40
 
 # ---------------------------------------------------------------------------------------------- numbers
 
-# A unit after a number: "%", degrees, words ("cm", "square units", "m/s", "cm^2") or \text{...}/\mathrm{...}.
-# Tokens are separated by at least one space or a slash, so a run of letters splits one way only (no
-# catastrophic backtracking on long words).
-_UNIT_TOKEN = r"(?:\\(?:text|mathrm|mbox)\s*\{[A-Za-z ]*\}|[A-Za-z]+)(?:\^\{?[23]\}?|[²³])?"
-_UNIT = (
-    rf"(?:\\?%|°|\^\s*(?:\{{\s*\\circ\s*\}}|\\circ)|\\circ|"
-    rf"{_UNIT_TOKEN}(?:(?:\s*/\s*|\s+){_UNIT_TOKEN})*)"
-)
-# One plain number as a whole answer: optional "x =", optional currency sign, sign, digits (with optional
-# thousands commas), decimals, exponent, then an optional unit. nan/inf are not numbers here: a non-finite
-# answer matches nothing. No two unbounded whitespace runs are adjacent without a required character between
-# them (each optional part owns the whitespace after it), so a run of spaces splits one way only and the
-# match is linear in the length of the text.
+# One plain number as a whole value (labels, currency and units are the grammar's): sign, digits (with
+# optional thousands commas), decimals, exponent. ASCII digits only: a fullwidth "６" is a look-alike.
+# nan/inf are not numbers here: a non-finite value matches nothing.
 _PLAIN_NUMBER = re.compile(
-    rf"(?:[A-Za-z]\s*=)?\s*(?:\\?\$\s*)?(?:(?P<sign>[-+−])\s*)?"
-    rf"(?P<digits>\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)"
-    rf"(?:[eE](?P<exponent>[-+]?\d{{1,3}}))?"
-    rf"\s*(?:{_UNIT})?"
+    r"(?:(?P<sign>[-+−]) ?)?(?P<digits>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)"
+    r"(?:[eE](?P<exponent>[-+]?\d{1,3}))?",
+    re.ASCII,
 )
-# Any number inside a longer text, for the last-resort fallback.
-_NUMBER_IN_TEXT = re.compile(r"(?<![\w.])[-+−]?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?![\w])")
-
-# Wrappers a model puts around a final answer: $...$, $$...$$, \(...\), \[...\], \boxed{...}, \fbox{...}.
-_WRAPPERS = (
-    re.compile(r"\$\$(.*)\$\$", re.DOTALL),
-    re.compile(r"\$(.*)\$", re.DOTALL),
-    re.compile(r"\\\((.*)\\\)", re.DOTALL),
-    re.compile(r"\\\[(.*)\\\]", re.DOTALL),
-    re.compile(r"\\(?:boxed|fbox)\s*\{(.*)\}", re.DOTALL),
-)
-
-
-def _balanced(text: str) -> bool:
-    depth = 0
-    for char in text:
-        depth += {"{": 1, "}": -1}.get(char, 0)
-        if depth < 0:
-            return False
-    return depth == 0
-
-
-def unwrap_answer(text: str) -> str:
-    """``text`` stripped of surrounding whitespace, a final period, and whole-answer wrappers (``$...$``,
-    ``\\(...\\)``, ``\\[...\\]``, ``\\boxed{...}``), repeatedly: ``$\\boxed{5}$.`` -> ``5``."""
-    text = text.strip()
-    for _ in range(4):
-        before = text
-        if text.endswith(".") and not text.endswith(".."):
-            text = text[:-1].rstrip()
-        for wrapper in _WRAPPERS:
-            match = wrapper.fullmatch(text)
-            if match and _balanced(match.group(1)) and "$" not in match.group(1):
-                text = match.group(1).strip()
-                break
-        if text == before:
-            break
-    return text
 
 
 def _decimal(sign: str, digits: str, exponent: str | None) -> Decimal | None:
@@ -214,21 +173,11 @@ def _decimal(sign: str, digits: str, exponent: str | None) -> Decimal | None:
 
 
 def plain_number(text: str) -> Decimal | None:
-    """``text`` (already unwrapped) as one plain number with an optional unit, or None."""
-    match = _PLAIN_NUMBER.fullmatch(text)
+    """``text`` (a value, as the grammar reads it) as one plain number, or None."""
+    match = _PLAIN_NUMBER.fullmatch(text.strip())
     if match is None:
         return None
     return _decimal(match["sign"] or "", match["digits"], match["exponent"])
-
-
-def single_number(text: str) -> Decimal | None:
-    """The one number written anywhere in ``text``, or None when there are none or several."""
-    found = _NUMBER_IN_TEXT.findall(text)
-    if len(found) != 1:
-        return None
-    number = found[0]
-    sign = number[0] if number[0] in "-+−" else ""
-    return _decimal(sign, number[len(sign) :], None)
 
 
 def numbers_match(prediction: Decimal, truth: Decimal, precision: int | None = None) -> bool:
@@ -250,128 +199,6 @@ def numbers_match(prediction: Decimal, truth: Decimal, precision: int | None = N
 
 # ---------------------------------------------------------------------------------------------- math-verify
 
-# Limits of the static screen. Each was measured on this project's machine with math-verify 0.9 / sympy:
-# nesting depth 7 takes 0.3 s and 10 takes 0.8 s (500 takes 5 s); "(a+b+c+d+e+f)^{9}" 6 s and
-# "(a+b+c+d)^{99}" never finished; "\sin(B^{99})" for a 40-digit B 2.4 s; "\binom{10^{10}}{10^{5}}" 22 s;
-# "(10^{10})!" and "9^{9^{9^{9}}}" never finished. The worst cases we found that the screen lets through
-# ("\sin(999^{99})", "(x+1)" forty times) take about 0.5 s.
-MAX_NESTING = 5
-MAX_SCREENED_DIGITS = 20
-MAX_CARETS = 2
-MAX_EXPONENT_DIGITS = 2
-# digits of the largest number written x product of the numeric exponents: a bound on the digits of the
-# largest integer sympy may build ("999^{99}" -> 297; "(10^{99})^{99}" -> 19,602 is refused).
-MAX_POWER_DIGITS = 400
-# With free variables, products and powers expand symbolically ("(a+b+c+d+e+f)" nine times over: 10 s;
-# "(a+b+c)" 28 times: 1.5 s): at most 3 distinct letters, 4 brackets, one power with an exponent <= 3. Text
-# with more letters is prose ("The answer is 12"), which the one-number fallback reads instead.
-MAX_SYMBOLIC_EXPONENT = 3
-MAX_VARIABLES = 3
-MAX_SYMBOLIC_BRACKETS = 4
-MAX_FACTORIAL_DIGITS = 2
-# Functions that grow faster than any power, which sympy evaluates exactly: nested or on a long number they
-# never finished ("\Gamma(\Gamma(\Gamma(5)))"; "\lfloor\exp(\exp(22))\rfloor" needs the 1.5e9 digits of
-# e^(e^22)). So at most one per answer, no digit run longer than an exponent's (\exp(n) is e^n, \Gamma(n) is
-# (n-1)!) and none inside an exponent. Screened worst cases: "\exp(99)" 0.22 s, "\lfloor\exp(99)^{99}\rfloor"
-# 0.16 s, "\Gamma(99)" 0.06 s. \operatorname names any function, so it counts as one of them.
-_GROWING = re.compile(r"\\(?:Gamma|exp|sinh|cosh|operatorname)(?![A-Za-z])")
-# Binomials are computed exactly too: "\binom{9999}{5000}" 0.03 s, "\binom{99999}{50000}" 0.7 s,
-# "\binom{999999}{500000}" over 20 s ("\binom{99999999999999999999}{9999999999}" never finished).
-MAX_BINOMIAL_DIGITS = 4
-
-_FORBIDDEN = re.compile(r"\*\*|\\(?:sum|prod|int|iint|oint|lim)(?![A-Za-z])")
-_COMMAND = re.compile(r"\\[A-Za-z]+")
-_TEXT_GROUP = re.compile(r"\\(?:text|mathrm|mbox|operatorname|begin|end)\s*\{[^{}]*\}")
-_DIGIT_RUN = re.compile(r"\d+")
-
-
-def _exponent_at(text: str, caret: int) -> tuple[str, int]:
-    """The exponent after the ``^`` at index ``caret`` (a ``{...}`` group, a ``\\command`` or one character)
-    and the index just after it."""
-    i = caret + 1
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text):
-        return "", i
-    if text[i] == "{":
-        depth = 0
-        for j in range(i, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return text[i + 1 : j], j + 1
-        return text[i + 1 :], len(text)
-    if text[i] == "\\":
-        match = _COMMAND.match(text, i)
-        if match:
-            return match.group(0), match.end()
-    return text[i], i + 1
-
-
-def safe_for_math_verify(text: str) -> bool:
-    """Whether ``text`` is small and tame enough to hand to math-verify (see the limits above).
-
-    Refused: longer than MAX_ANSWER_CHARS; brackets nested deeper than MAX_NESTING; a digit run longer than
-    MAX_SCREENED_DIGITS; ``**``, sums, products, integrals, limits; more than MAX_CARETS powers, a power of a
-    power, an exponent holding ``^``/``!`` or a number of more than MAX_EXPONENT_DIGITS digits, or powers
-    that could build an integer of more than MAX_POWER_DIGITS digits; a factorial of anything but a number of
-    at most MAX_FACTORIAL_DIGITS digits; a binomial together with a power or a factorial, or with a number of
-    more than MAX_BINOMIAL_DIGITS digits; more than one fast-growing function (``_GROWING``), one with a number
-    of more than MAX_EXPONENT_DIGITS digits, or one in an exponent; and, with free
-    variables (letters outside LaTeX commands and ``\\text{}``), more than MAX_VARIABLES of them, more than
-    MAX_SYMBOLIC_BRACKETS brackets, more than one power or an exponent above MAX_SYMBOLIC_EXPONENT.
-    """
-    if len(text) > MAX_ANSWER_CHARS or _FORBIDDEN.search(text):
-        return False
-    depth = 0
-    for char in text:
-        depth += 1 if char in "([{" else -1 if char in ")]}" else 0
-        if depth > MAX_NESTING:
-            return False
-    digit_runs = _DIGIT_RUN.findall(text)
-    longest = max((len(run) for run in digit_runs), default=0)
-    if longest > MAX_SCREENED_DIGITS:
-        return False
-    # Factorials: only of a short literal number ("5!", "12!").
-    for index, char in enumerate(text):
-        if char == "!":
-            before = text[:index].rstrip()
-            digits = len(before) - len(before.rstrip("0123456789"))
-            if digits == 0 or digits > MAX_FACTORIAL_DIGITS:
-                return False
-    growing = _GROWING.findall(text)
-    if len(growing) > 1 or (growing and longest > MAX_EXPONENT_DIGITS):
-        return False
-    carets = [i for i, char in enumerate(text) if char == "^"]
-    if ("binom" in text or "choose" in text) and (carets or "!" in text or longest > MAX_BINOMIAL_DIGITS):
-        return False
-    if len(carets) > MAX_CARETS:
-        return False
-    exponent_product = 1
-    largest_exponent = 0
-    for caret in carets:
-        exponent, end = _exponent_at(text, caret)
-        if not exponent or "^" in exponent or "!" in exponent or _GROWING.search(exponent):
-            return False
-        rest = text[end:].lstrip(" }")
-        if rest.startswith("^"):  # a^b^c, {a^b}^c
-            return False
-        runs = _DIGIT_RUN.findall(exponent)
-        if any(len(run) > MAX_EXPONENT_DIGITS for run in runs):
-            return False
-        value = max((int(run) for run in runs), default=1)
-        exponent_product *= max(value, 1)
-        largest_exponent = max(largest_exponent, value)
-    if carets and max(longest, 1) * exponent_product > MAX_POWER_DIGITS:
-        return False
-    letters = set(re.findall(r"[A-Za-z]", _COMMAND.sub(" ", _TEXT_GROUP.sub(" ", text))))
-    if letters:
-        brackets = sum(text.count(bracket) for bracket in "([{")
-        if len(letters) > MAX_VARIABLES or brackets > MAX_SYMBOLIC_BRACKETS:
-            return False
-        if len(carets) > 1 or largest_exponent > MAX_SYMBOLIC_EXPONENT:
-            return False
-    return True
-
 
 class _NoTimeoutWarning:
     """Drops math-verify's one-time "Timeout is disabled" warning: we pass timeouts of None on purpose and
@@ -385,6 +212,7 @@ class _NoTimeoutWarning:
 def _math_verify():
     """math-verify, imported on first use (sympy costs ~0.4 s; most runs of other tasks never need it)."""
     import logging
+    from dataclasses import replace
 
     import math_verify
     from math_verify import LatexExtractionConfig
@@ -395,8 +223,11 @@ def _math_verify():
     # first graded answer of a run is not timed out.
     math_verify.parse("$1$", parsing_timeout=None)
     # Every side is handed over as one LaTeX expression ("$...$"): plain-text extraction reads only the last
-    # number ("2\sqrt{221}" -> 2, "[1, 2, 3]" -> 3), which would grade wrong answers as right.
-    return math_verify, [LatexExtractionConfig()]
+    # number ("2\sqrt{221}" -> 2, "[1, 2, 3]" -> 3), which would grade wrong answers as right. Units are the
+    # grammar's: math-verify's own unit stripping drops whatever follows a number and looks like one ("6 d 7"
+    # and "6\text{, 7}" were read as 6).
+    units_off = replace(LatexExtractionConfig().normalization_config, units=False)
+    return math_verify, [LatexExtractionConfig(normalization_config=units_off)]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -421,9 +252,30 @@ def math_verify_equal(prediction: str, truth: str, precision: int | None = None)
         if not gold or not predicted:
             return None
         rounding = precision if precision is not None else 6
+        if _numerically_apart(gold[0], predicted[0], rounding):
+            return False
         return bool(module.verify(list(gold), list(predicted), float_rounding=rounding, timeout_seconds=None))
     except Exception:  # noqa: BLE001 - sympy raises many kinds of error on odd input: not equivalent
         return None
+
+
+def _numerically_apart(gold, predicted, rounding: int) -> bool:
+    """Whether two numbers (sympy expressions without free symbols) differ by more than ``rounding`` decimals
+    allow, by a 30-digit evaluation (milliseconds). Math-verify ends in sympy's simplify, which takes minutes
+    on numbers the screen lets through ("\\cos(\\frac{4\\pi}{99})^{99}": 430 s; "(\\sqrt2+\\sqrt3+\\sqrt5+
+    \\sqrt7)^{99}": 50 s) and calls infinities equal to random numbers ("\\sqrt{\\infty}" = 6, by hash seed).
+    Anything else (sets, relations, matrices, variables, NaN) is math-verify's alone."""
+    from sympy import Expr
+
+    if not (isinstance(gold, Expr) and isinstance(predicted, Expr)):
+        return False
+    if gold.free_symbols or predicted.free_symbols:
+        return False
+    try:
+        gap = abs((gold - predicted).evalf(30))
+        return bool(gap > 10**-rounding + abs(gold.evalf(30)) * 10**-20)
+    except Exception:  # noqa: BLE001 - NaN (oo - oo) has no order; what sympy cannot evaluate, math-verify judges
+        return False
 
 
 # ---------------------------------------------------------------------------------------------- reward
@@ -434,82 +286,22 @@ def is_text_answer(truth: str) -> bool:
     return not re.search(r"[\d\\]", truth) and bool(re.search(r"[A-Za-z]", truth))
 
 
-# Forms of an answer that are wrong however its numbers compare (see "Answers that are not the answer" in the
-# module docstring). All three patterns are linear: no quantifier is nested or next to another that can match
-# the same characters.
-_NEGATION = re.compile(
-    r"(?<![A-Za-z])(?:not|no|never|none|cannot|wrong|false|incorrect|untrue)(?![A-Za-z])|n['’]t(?![A-Za-z])"
-    r"|\\(?:neq?|not|neg|lnot)(?![A-Za-z])|[≠¬]",
-    re.IGNORECASE,
-)
-_HEDGE = re.compile(
-    r"\\approx|≈|≃|\\simeq|\\sim\s*[-+]?\d|(?<!\S)~\s*[-+]?\d"
-    r"|(?<![A-Za-z])(?:about|approx|approximately|around|roughly|nearly|almost|circa|estimated)(?![A-Za-z])",
-    re.IGNORECASE,
-)
-# "and"/"or" in words or in logic: "x=5 \lor x=6" names two values.
-_LIST_WORD = re.compile(r"(?<![A-Za-z])(?:and|or)(?![A-Za-z])|\\(?:lor|land|vee|wedge)(?![A-Za-z])|[∨∧]", re.IGNORECASE)
-# A relation between values ("5 = 6", "5 \equiv 6"): math-verify grades one side of it. Only "name = value"
-# ("x = 6", "x_1 = 6", "\theta = 6") gives the answer.
-_RELATION = re.compile(r"=|\\(?:equiv|cong)(?![A-Za-z])|[≡≅]")
-_NAMED_VALUE = re.compile(r"\s*(?:[A-Za-z]|\\[A-Za-z]+)(?:_\{?\w+\}?)?\s*=")
-# A dollar sign that does not start a number ("$5" is a price): what is left of several math spans ("5$ $6",
-# from "$5$ $6$"), of which math-verify grades any one.
-_SPAN_BREAK = re.compile(r"(?<!\\)\$(?!\s*[-+−]?\d)")
-_THOUSANDS_COMMA = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_REDUNDANT_BRACKETS = re.compile(r"[({]*[^(){}]*[)}]*")  # disjoint neighbours: linear
 
 
-def _lists_values(text: str) -> bool:
-    """Whether ``text`` lists several values: a comma or semicolon outside all brackets (thousands commas
-    such as ``1,000`` aside), or the word "and"/"or"."""
-    depth = 0
-    for char in _THOUSANDS_COMMA.sub("", text):
-        depth += 1 if char in "([{" else -1 if char in ")]}" else 0
-        if depth <= 0 and char in ",;":
-            return True
-    return _LIST_WORD.search(text) is not None
-
-
-def _one_value(text: str) -> bool:
-    """A ground truth that is one value: no comma, semicolon, matrix cell or row, "and"/"or" anywhere."""
-    return not re.search(r"[,;&]|\\\\", text) and _LIST_WORD.search(text) is None
-
-
-def _relates_values(text: str) -> bool:
-    """Whether ``text`` states a relation other than naming its value: "5 = 6", "5 \\equiv 6", "x = y = 6"."""
-    relations = _RELATION.findall(text)
-    return bool(relations) and not (len(relations) == 1 and relations[0] == "=" and _NAMED_VALUE.match(text))
-
-
-def refused_form(prediction: str, truth: str, precision: int | None = None) -> bool:
-    """Whether ``prediction`` is wrong by its form alone (after unwrapping): it negates ("not 6", "x \\neq 6",
-    "\\neg 6", "6 is wrong") and the truth does not; it hedges ("\\approx 6", "about 6") and the truth is exact
-    (no ``precision``, no hedge of its own); it relates values ("5 = 6", "5 \\equiv 6") and the truth does not;
-    or it lists several values ("6, 6", "6 and 7", "x=5 \\lor x=6", "5$ $6") where the truth is one value."""
-    if _NEGATION.search(prediction) and not _NEGATION.search(truth):
-        return True
-    if _HEDGE.search(prediction) and precision is None and not _HEDGE.search(truth):
-        return True
-    if _relates_values(prediction) and not _RELATION.search(truth):
-        return True
-    return _one_value(truth) and (_lists_values(prediction) or _SPAN_BREAK.search(prediction) is not None)
-
-
-_FACTORIAL = re.compile(r"[\d)}\]]\s*!")
-_BINOMIAL = re.compile(r"\\[dt]?binom(?![A-Za-z])|\\choose(?![A-Za-z])")
-
-
-def applies_a_function(text: str) -> bool:
-    """Whether ``text`` applies one of the functions the screen guards (``_GROWING``, a factorial, a binomial)
-    to its numbers: its one number is then not its value (``\\Gamma(\\Gamma(5))`` is not 5). Other commands
-    (``\\sqrt{5}``) pass the screen and math-verify judges them; formatting (``\\textbf{5}``) stays readable."""
-    return any(pattern.search(text) for pattern in (_GROWING, _FACTORIAL, _BINOMIAL))
+def _bracketed_number(value: str) -> Decimal | None:
+    """A value that is one plain number inside redundant brackets (``((((((5))))))``), as that number."""
+    if value.count("(") != value.count(")") or value.count("{") != value.count("}"):
+        return None
+    if not _REDUNDANT_BRACKETS.fullmatch(value):
+        return None
+    return plain_number(value.strip("(){} "))
 
 
 def is_equivalent(
     prediction: str, truth: str, precision: int | None = None, *, as_text: bool = False
 ) -> bool:
-    """Whether answer ``prediction`` means ground truth ``truth`` (the four rules of the module docstring).
+    """Whether answer ``prediction`` means ground truth ``truth`` (the five rules of the module docstring).
 
     Total on any input: malformed, hostile or non-finite predictions are simply not equivalent.
     """
@@ -520,21 +312,21 @@ def is_equivalent(
         return False
     if as_text or is_text_answer(gold):
         return normalise_answer(predicted) == normalise_answer(gold) != ""
-    if refused_form(predicted, gold, precision):
+    gold_form, form = read_answer(gold), read_answer(predicted)
+    if refusal(form, gold_form, approximate=precision is not None) is not None:
         return False
+    whole = form.relation or gold_form.relation  # "x \\neq 6": the relation is the answer
+    predicted, gold = (form.text, gold_form.text) if whole else (form.value, gold_form.value)
     gold_number, predicted_number = plain_number(gold), plain_number(predicted)
     if gold_number is not None and predicted_number is not None:
         return numbers_match(predicted_number, gold_number, precision)
     verdict = math_verify_equal(predicted, gold, precision)
     if verdict is not None:
         return verdict
-    if applies_a_function(predicted):
-        return False
-    gold_number = gold_number if gold_number is not None else single_number(gold)
-    predicted_number = predicted_number if predicted_number is not None else single_number(predicted)
-    if gold_number is None or predicted_number is None:
-        return False
-    return numbers_match(predicted_number, gold_number, precision)
+    gold_number, predicted_number = _bracketed_number(gold), _bracketed_number(predicted)
+    return gold_number is not None and predicted_number is not None and numbers_match(
+        predicted_number, gold_number, precision
+    )
 
 
 def prediction(completion: Completion, sample: Sample) -> str | None:

@@ -244,7 +244,6 @@ ADVERSARIAL = {
     "math_dollar_spaces": "plain_number('$' + ' ' * LONG + 'a')",
     "math_degree_spaces": "plain_number('5^' + ' ' * N + '{' + ' ' * N)",
     "math_units": "plain_number('5' + ' cm' * (LONG // 3) + '!')",
-    "math_single_number": "single_number('1,' * (LONG // 2) + 'a')",
     "math_reward_long_answer": "is_equivalent('1 ' * (LONG // 2), '2')",
     "math_screen_factorials": "safe_for_math_verify('1 ' * 90 + '!' * 20)",
     "vqa_number": "as_number('1' * LONG + '/')",
@@ -256,7 +255,7 @@ _RUNNER = """
 import sys, time
 from vlm_grpo_ma.task_api import parse_box, parse_points, parse_numbers, has_think_answer_format, normalise_answer
 from tasks.code import extract_program
-from tasks.math import plain_number, single_number, is_equivalent, safe_for_math_verify
+from tasks.math import plain_number, is_equivalent, safe_for_math_verify
 from tasks.vqa import as_number, chosen_options
 N, LONG = {N}, {LONG}
 print("ready", 0, flush=True)

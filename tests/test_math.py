@@ -1,5 +1,6 @@
 """The math task: reward tables (equivalent forms, precision, units, malformed and hostile output), the
-math-verify screen, answer forms (negations, hedges, lists), matrices, loaders for each public schema, the embedded data, the generator."""
+math-verify screen, answer forms (negations, hedges, lists; the grammar's own tables are in
+tests/test_math_grammar.py), matrices, loaders for each public schema, the embedded data, the generator."""
 
 import importlib.util
 import json
@@ -152,8 +153,9 @@ EQUIVALENCE_TABLE = [
     ("symbolic expansion", "(a+b+c+d)^{99}", "5", None, False),
     ("deep braces", "{" * 5000 + "5" + "}" * 5000, "5", None, False),
     ("deep parentheses", "(" * 2000 + "5" + ")" * 2000, "5", None, False),
-    # refused by the screen, still graded by the one-number fallback
+    # refused by the screen, still read as the number in its redundant brackets (rule 5)
     ("nested parentheses fallback", "((((((5))))))", "5", None, True),
+    # a lead phrase of the grammar (tasks/_math_grammar.py) before the answer
     ("prose fallback", "The answer is 12", "12", None, True),
     ("prose fallback wrong", "The answer is 13", "12", None, False),
     ("prose fallback with precision", "It is about 1.4523 cm", "1.45", 2, True),
@@ -231,7 +233,7 @@ FORM_TABLE = [
     ("price", "$6", "6", None, True),
     ("equation truth", "y = 2x + 1", "y = 2x + 1", None, True),
     ("prose", "The answer is 6", "6", None, True),
-    ("contraction that is not a negation", "I think it's 6", "6", None, True),
+    ("contraction in the lead", "it's 6", "6", None, True),  # "I think it's 6" hedges: tests/test_math_grammar.py
     ("unit", "6 apples", "6", None, True),
     ("thousands comma", "6,000", "6000", None, True),
     ("thousands comma in latex", "\\boxed{6,000}", "6000", None, True),
@@ -337,19 +339,50 @@ HOSTILE = [
     "9" * 10_000,
     "\\frac{1}{0}",
     "99999999999999999999!",
+    # numbers that sympy's simplify expands for seconds or minutes (each passes the screen)
+    "\\cos(\\frac{4\\pi}{99})^{99}",  # 430 s
+    "\\cos(\\frac{4\\pi}{99})^{30}",  # 9 s
+    "(\\sqrt{2}+\\sqrt{3}+\\sqrt{5}+\\sqrt{7})^{99}",  # 50 s
+    "(\\sin1+\\cos2+\\tan3+\\cot4+\\sec5+\\csc6)^{3}",  # 7 s
+    "(\\pi+\\sqrt2+\\sqrt3)(\\pi+\\sqrt5+\\sqrt7)(\\pi+\\sqrt{11}+\\sqrt{13})(\\pi+\\sqrt{17}+\\sqrt{19})"
+    "(\\pi+\\sqrt{23}+\\sqrt{29})(\\pi+\\sqrt{31}+\\sqrt{37})",  # 4 s
     # issue 23: passed the screen and ran until the reward's deadline
     "\\Gamma(\\Gamma(\\Gamma(5)))",
     "\\binom{99999999999999999999}{9999999999}",
     "\\lfloor\\exp(\\exp(22))\\rfloor",
 ]
-# The slowest answers found that the screen lets through to math-verify (see the limits in tasks/math.py).
+# Issue 34: a fast-growing function of a power, a factorial or a product, or beside a power, passed the screen
+# and ran for seconds or until the deadline. Each with a truth that has the same function, so that the grammar
+# lets it through to the screen, which must refuse it.
+GROWING_HOSTILE = [
+    ("\\Gamma(10^{99})", "\\Gamma(4)"),  # (10^99 - 1)!: never finished
+    ("\\Gamma(99!)", "\\Gamma(4)"),  # never finished
+    ("\\Gamma(99 \\cdot 99 \\cdot 99)", "\\Gamma(4)"),  # 970298!
+    ("\\exp(9^{99})", "\\exp(4)"),
+    ("\\sinh(10^{10})", "\\sinh(4)"),  # never finished
+    ("\\csch(10^{99})", "\\csch(4)"),  # never finished
+    ("\\lfloor\\sinh(99)^{99}\\rfloor", "\\sinh(4)"),  # past 5 s
+    ("\\cosh(99)^{99}", "\\cosh(4)"),  # 1.1-2.7 s
+    ("\\Gamma(99)^{99}", "\\Gamma(4)"),
+    ("\\lfloor\\exp(99)^{99}\\rfloor", "\\exp(4)"),  # in WORST_SCREENED before issue 34
+    ("\\exp(99) \\cdot 99!", "\\exp(4)"),  # 0.9 s
+    ("\\exp(\\sqrt{99})", "\\exp(4)"),  # 0.9 s
+    ("\\operatorname{Gamma}(10^{99})", "\\operatorname{Gamma}(4)"),
+]
+# The slowest answers found that the screen lets through to math-verify (see the limits in
+# tasks/_math_grammar.py).
 WORST_SCREENED = [
     "\\exp(99)",
-    "\\lfloor\\exp(99)^{99}\\rfloor",
     "\\lfloor\\exp(\\frac{9}{2})\\rfloor",
     "\\Gamma(99)",
     "\\binom{9999}{5000}",
     "\\sin(999^{99})",
+    # issue 34: the slowest we found under the new rules for fast-growing functions (0.1-0.5 s, busy 2 cores)
+    "\\Gamma(99 99)",
+    "\\lfloor\\sinh(99 99)\\rfloor",
+    "\\tan(\\Gamma(99))",
+    "\\sin(\\exp(99))",
+    "\\frac{1}{\\sin(\\Gamma(99 99))}",
 ]
 
 
@@ -377,6 +410,25 @@ def test_slow_forms_are_refused_or_cost_under_a_second(answer, warm_math_verify)
 
 def test_the_worst_screened_answers_reach_math_verify():
     assert [math_task.safe_for_math_verify(answer) for answer in WORST_SCREENED] == [True] * len(WORST_SCREENED)
+
+
+@pytest.mark.parametrize("answer", WORST_SCREENED)
+def test_the_worst_screened_answers_cost_math_verify_under_a_second(answer, warm_math_verify):
+    # math-verify itself, past the grammar (which refuses \Gamma and \exp unless the truth has them)
+    started = time.monotonic()
+    assert math_task.math_verify_equal(answer, "6") is False
+    assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize(("answer", "truth"), GROWING_HOSTILE, ids=[row[0] for row in GROWING_HOSTILE])
+def test_fast_growing_functions_of_powers_are_refused_by_the_screen(answer, truth, warm_math_verify):
+    # the grammar lets it through (the truth has its function): the screen alone must refuse it
+    assert math_task.refusal(math_task.read_answer(answer), math_task.read_answer(truth), False) is None
+    assert math_task.safe_for_math_verify(answer) is False
+    started = time.monotonic()
+    parts = math_task.reward(_completion(_answer(answer)), _sample(truth))
+    assert time.monotonic() - started < 1.0
+    _assert_parts(parts, _expected(False, True))
 
 
 def test_hostile_answers_return_quickly_in_another_thread(warm_math_verify):
@@ -439,6 +491,17 @@ SAFE_TABLE = [
     ("\\exp(\\exp(2))", False),
     ("2^{\\Gamma(5)}", False),  # one in an exponent
     ("\\operatorname{lcm}(4, 6)", True),
+    # issue 34: one fast-growing function, of a short argument, with no power, factorial or binomial
+    ("\\exp(\\frac{99}{2})", True),
+    ("\\Gamma(99.5)", True),
+    ("\\Gamma(x)", True),
+    ("\\Gamma(10^{99})", False),  # of a power
+    ("\\Gamma(99)^{99}", False),  # beside a power
+    ("\\exp(99) \\cdot 99!", False),  # beside a factorial
+    ("\\Gamma(99 \\cdot 99 \\cdot 99)", False),  # three numbers in its argument
+    ("\\exp(\\sqrt{99})", False),  # a command in its argument
+    ("\\exp 9 9 9", False),  # no bracket: the rest of the answer is its argument
+    ("\\tanh(10^{99})", False),
     ("1" * 21, False),
     ("2**3", False),
     ("\\int_0^1 x", False),

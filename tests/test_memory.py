@@ -17,8 +17,8 @@ from vlm_grpo_ma.model.architectures import (
     lora_counts,
     parameter_counts,
 )
-from vlm_grpo_ma.run.config import load_config
 from vlm_grpo_ma.run import memory_model
+from vlm_grpo_ma.run.config import load_config
 from vlm_grpo_ma.tools import memory
 
 ROOT = Path(__file__).resolve().parents[1]
