@@ -13,7 +13,7 @@ step, counted per rank (tests/fixtures/count_reduce_scatters.py): one per FSDP u
 parameters, with 2 micro-batches per process and step.
 
     .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--mixture] [--machines 2]
-        [--keep DIR] [--set KEY=VALUE ...]
+        [--keep DIR] [--set KEY=VALUE ...] [--no-resume]
 
 ``--mixture`` trains a task mixture of the grounding scenes (with images, rewarded by answer length) and the
 code task (text-only prompts): at some steps one process holds a micro-batch without an image while the other
@@ -220,9 +220,10 @@ def step_shares(overrides: list[str], steps: int, processes: int = 2) -> list[li
 
 def check_optimizer(
     work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str = "ddp", extra: tuple[str, ...] = (),
-    machines: int = 1,
+    machines: int = 1, resume: bool = True,
 ) -> bool:
-    """One optimiser: one process vs two, and two straight vs two stopped and resumed. Prints the figures."""
+    """One optimiser: one process vs two, and (``resume``) two straight vs two stopped and resumed. Prints the
+    figures."""
     from safetensors.torch import load_file
 
     overrides = [*run_overrides(model_dir, steps, optimizer), *extra]
@@ -231,15 +232,15 @@ def check_optimizer(
     launch(two, overrides, 2, strategy=strategy, count=strategy == "fsdp", machines=machines)
     # stopped a step early: a run with the same train.steps (it fixes the schedule) whose last checkpoint is
     # removed, so --resume continues from the checkpoint of step steps - 1
-    stopped = [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"]
-    launch(resumed, stopped, 2, strategy=strategy, machines=machines)
-    shutil.rmtree(resumed / "checkpoints" / f"step-{steps:06d}")
-    launch(resumed, overrides, 2, resume=True, strategy=strategy, machines=machines)
+    if resume:
+        stopped = [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"]
+        launch(resumed, stopped, 2, strategy=strategy, machines=machines)
+        shutil.rmtree(resumed / "checkpoints" / f"step-{steps:06d}")
+        launch(resumed, overrides, 2, resume=True, strategy=strategy, machines=machines)
     start = load_file(Path(model_dir) / "model.safetensors")
-    w_one, w_two, w_resumed = final_weights(one), final_weights(two), final_weights(resumed)
-    moved, difference, resume_difference = (
-        max_abs_difference(w_one, start), max_abs_difference(w_one, w_two), max_abs_difference(w_two, w_resumed)
-    )
+    w_one, w_two = final_weights(one), final_weights(two)
+    moved, difference = max_abs_difference(w_one, start), max_abs_difference(w_one, w_two)
+    resume_difference = max_abs_difference(w_two, final_weights(resumed)) if resume else 0.0
     rates = {run: logged(run, "train/learning_rate") for run in (one, two)}
     norms = {run: logged(run, "train/grad_norm") for run in (one, two)}
     rate_difference = max_relative_difference(rates[one], rates[two])
@@ -251,7 +252,8 @@ def check_optimizer(
     print(f"  largest weight change from the start (one process): {moved:.3e}")
     print(f"  largest weight difference, one vs two processes:    {difference:.3e}")
     print(f"  learning rate / grad norm, largest relative difference: {rate_difference:.3e} / {norm_difference:.3e}")
-    print(f"  two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
+    if resume:
+        print(f"  two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
     parts_ok = True
     if MIXTURE in extra:  # the run's prompts: a process without an image where the other has one
         shares = step_shares(overrides, steps)
@@ -282,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides added to every run")
     parser.add_argument("--mixture", action="store_true", help="train grounding scenes (images) + code (text-only) mixed")
     parser.add_argument("--machines", type=int, choices=(1, 2), default=1, help="launch the two processes as two machines")
+    parser.add_argument("--no-resume", action="store_true", help="skip the stopped-and-resumed run (two launches fewer)")
     args = parser.parse_args(argv)
     from vlm_grpo_ma.model.tiny import build_untrained
 
@@ -292,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"strategy: {args.strategy}; machines: {args.machines}; steps: {args.steps} (warmup 1, then linear decay), global "
               f"batch: 4 prompts x 2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}" + (f"; overrides: {' '.join(extra)}" if extra else ""))
         results = [
-            check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, extra, args.machines) for name in args.optimizers
+            check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, extra, args.machines, not args.no_resume) for name in args.optimizers
         ]
     ok = all(results)
     print("equivalent" if ok else "NOT equivalent")

@@ -7,8 +7,10 @@ Planted and seen to fail (DDP): the scheduler passed to accelerate.prepare (rate
 against 5e-4, 1e-3, 5e-4) and the loss not scaled by the number of processes (grad norms halved; SGD weights
 1.7e-2 apart). Both runs use AdamW only here to keep the suite short (the script's default runs SGD too):
 AdamW is the one whose resume needs the optimizer state; DDP under SGD runs in the dynamic-sampling test, and
-the gradient scale SGD would see under FSDP is checked exactly by tests/test_sharding.py. Planted and seen to fail (FSDP): the resume not loading the sharded optimizer
-state, the rollout without gathering the parameters (see tests/test_sharding.py), and gradients synchronised
+the gradient scale SGD would see under FSDP is checked exactly by tests/test_sharding.py. The resume is
+compared in the two plain checks (DDP and FSDP); the dynamic-sampling, mixture and two-machine checks skip it
+(``--no-resume``: two launches fewer each). Planted and seen to fail (FSDP): the resume not loading the sharded
+optimizer state, the rollout without gathering the parameters (see tests/test_sharding.py), and gradients synchronised
 on every micro-batch (reduce-scatters [5, 5] per step instead of [0, 9]: "gradients reduced once per step: NO").
 The runs train with KL to a frozen reference, sharded under FSDP (its bytes are in the total)."""
 
@@ -63,7 +65,7 @@ def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does
     Planted and seen to fail: the flat sequence weights divided by the process-local row count (weights 3.9e-2
     apart, grad norms doubled); each process deciding its draws and groups alone (weights 1.6e-2 apart, draws
     [0, 4, 4] against [0, 4, 0])."""
-    out = _check("--strategy", "ddp", "--optimizers", "sgd", "--set", "data.task=long_answer", "algorithm.advantage_estimator=grpo",
+    out = _check("--strategy", "ddp", "--optimizers", "sgd", "--no-resume", "--set", "data.task=long_answer", "algorithm.advantage_estimator=grpo",
                  "algorithm.answer_baseline=prompt", "algorithm.loss_aggregation=sequence", "algorithm.dynamic_sampling=true")  # fmt: skip
     drawn = next(line for line in out.splitlines() if "prompts drawn again" in line)
     assert drawn.split(": ", 1)[1].split(" / ")[0] != "[0, 0, 0]", drawn  # the draws were exercised
@@ -79,7 +81,7 @@ def test_sharded_processes_train_a_mixture_with_text_only_micro_batches_as_one_p
     (prompts.idle_vision_term); 4 steps, SGD. Planted and seen to fail: the vision call skipped on a text-only
     micro-batch (gloo aborts: "Received data size doesn't match expected size"; see also tests/fsdp_parts.py
     --mixed, which also makes one process's answers one token long)."""
-    out = _check("--strategy", "fsdp", "--optimizers", "sgd", "--steps", "4", "--mixture")
+    out = _check("--strategy", "fsdp", "--optimizers", "sgd", "--steps", "4", "--mixture", "--no-resume")
     assert "micro-batches where one process has no image and the other has one: 0" not in out
 
 
@@ -88,7 +90,7 @@ def test_two_machines_of_one_process_train_a_mixture_as_one_process_does():
     """The multi-node launch (accelerate's --num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1, one
     process each, gloo) on the mixture, DDP, AdamW: the same code as one machine, the same result as one
     process."""
-    out = _check("--strategy", "ddp", "--optimizers", "adamw", "--steps", "4", "--mixture", "--machines", "2")
+    out = _check("--strategy", "ddp", "--optimizers", "adamw", "--steps", "4", "--mixture", "--machines", "2", "--no-resume")
     assert out.startswith("strategy: ddp; machines: 2")
 
 
