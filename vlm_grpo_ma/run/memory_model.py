@@ -235,7 +235,10 @@ def tree_too_large(arch: Architecture, cfg: Config, processes: int, strategy: st
     run = estimate(arch, cfg, processes, strategy)
     if run.peak <= memory_bytes or estimate(arch, _with_tree(cfg, 2, 1), processes, strategy).peak > memory_bytes:
         return None
-    fits = lambda thoughts, answers: estimate(arch, _with_tree(cfg, thoughts, answers), processes, strategy).peak <= memory_bytes  # noqa: E731
+
+    def fits(thoughts: int, answers: int) -> bool:
+        return estimate(arch, _with_tree(cfg, thoughts, answers), processes, strategy).peak <= memory_bytes
+
     answers = max((a for a in range(1, m + 1) if fits(k, a)), default=0)
     if answers:
         largest = f"With rollout.num_thoughts={k}, at most rollout.num_answers={answers} fits"
