@@ -13,7 +13,12 @@ step, counted per rank (tests/fixtures/count_reduce_scatters.py): one per FSDP u
 parameters, with 2 micro-batches per process and step.
 
     .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--mixture] [--machines 2]
-        [--keep DIR] [--set KEY=VALUE ...] [--no-resume]
+        [--keep DIR] [--set KEY=VALUE ...] [--no-resume] [--reference-cache DIR]
+
+The stopped-and-resumed run is the two-process run itself, which also saves at step ``steps - 1``: a copy of
+its folder without the last checkpoint resumes from there (one launch, not two). ``--reference-cache DIR``
+keeps the untrained model and the one-process runs in DIR and reuses a run trained with the same overrides
+(the test suite shares one between its checks: the DDP and FSDP checks train the same one-process run).
 
 ``--mixture`` trains a task mixture of the grounding scenes (with images, rewarded by answer length) and the
 code task (text-only prompts): at some steps one process holds a micro-batch without an image while the other
@@ -40,6 +45,7 @@ or ``configs/accelerate/cpu-2proc-fsdp.yaml`` (FSDP2 through torch's fully_shard
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -218,23 +224,39 @@ def step_shares(overrides: list[str], steps: int, processes: int = 2) -> list[li
     return shares
 
 
+def one_process_run(work: Path, overrides: list[str], cache: Path | None) -> Path:
+    """The one-process run of ``overrides``: trained into ``work``, or taken from ``cache`` where a finished run
+    of the same overrides is kept there (its folder is named by their hash)."""
+    if cache is None:
+        one = work / "one-process"
+    else:
+        one = cache / ("one-process-" + hashlib.sha256("\n".join(overrides).encode()).hexdigest()[:16])
+        if (one / "finished").is_file():
+            print(f"  one process: the run kept in {one}")
+            return one
+        shutil.rmtree(one, ignore_errors=True)  # an unfinished run from an interrupted check
+    launch(one, overrides, 1)
+    (one / "finished").write_text("")
+    return one
+
+
 def check_optimizer(
     work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str = "ddp", extra: tuple[str, ...] = (),
-    machines: int = 1, resume: bool = True,
+    machines: int = 1, resume: bool = True, cache: Path | None = None,
 ) -> bool:
     """One optimiser: one process vs two, and (``resume``) two straight vs two stopped and resumed. Prints the
     figures."""
     from safetensors.torch import load_file
 
     overrides = [*run_overrides(model_dir, steps, optimizer), *extra]
-    one, two, resumed = work / f"{optimizer}-one-process", work / f"{optimizer}-two-{strategy}", work / f"{optimizer}-two-{strategy}-resumed"
-    launch(one, overrides, 1)
-    launch(two, overrides, 2, strategy=strategy, count=strategy == "fsdp", machines=machines)
-    # stopped a step early: a run with the same train.steps (it fixes the schedule) whose last checkpoint is
-    # removed, so --resume continues from the checkpoint of step steps - 1
+    two, resumed = work / f"{optimizer}-two-{strategy}", work / f"{optimizer}-two-{strategy}-resumed"
+    one = one_process_run(work / optimizer, overrides, cache)
+    # the resume's starting point: the two-process run also saves at step steps - 1 (train.steps, which fixes
+    # the schedule, is the same); a copy of its folder without the last checkpoint continues from there
+    saves = [f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"] if resume else []
+    launch(two, [*overrides, *saves], 2, strategy=strategy, count=strategy == "fsdp", machines=machines)
     if resume:
-        stopped = [*overrides, f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"]
-        launch(resumed, stopped, 2, strategy=strategy, machines=machines)
+        shutil.copytree(two, resumed)
         shutil.rmtree(resumed / "checkpoints" / f"step-{steps:06d}")
         launch(resumed, overrides, 2, resume=True, strategy=strategy, machines=machines)
     start = load_file(Path(model_dir) / "model.safetensors")
@@ -284,18 +306,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides added to every run")
     parser.add_argument("--mixture", action="store_true", help="train grounding scenes (images) + code (text-only) mixed")
     parser.add_argument("--machines", type=int, choices=(1, 2), default=1, help="launch the two processes as two machines")
-    parser.add_argument("--no-resume", action="store_true", help="skip the stopped-and-resumed run (two launches fewer)")
+    parser.add_argument("--no-resume", action="store_true", help="skip the stopped-and-resumed run (a launch fewer)")
+    parser.add_argument("--reference-cache", type=Path, metavar="DIR",
+                        help="keep the untrained model and the one-process runs in DIR; reuse a run with the same overrides")
     args = parser.parse_args(argv)
     from vlm_grpo_ma.model.tiny import build_untrained
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
-        model_dir = build_untrained(work / "untrained", seed=0)
+        cache = args.reference_cache
+        model_dir = (cache or work) / "untrained"
+        if not (model_dir / "model.safetensors").is_file():
+            build_untrained(model_dir, seed=0)
         extra = (*([MIXTURE] if args.mixture else []), *args.set)
         print(f"strategy: {args.strategy}; machines: {args.machines}; steps: {args.steps} (warmup 1, then linear decay), global "
               f"batch: 4 prompts x 2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}" + (f"; overrides: {' '.join(extra)}" if extra else ""))
         results = [
-            check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, extra, args.machines, not args.no_resume) for name in args.optimizers
+            check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, extra, args.machines, not args.no_resume, cache)
+            for name in args.optimizers
         ]
     ok = all(results)
     print("equivalent" if ok else "NOT equivalent")

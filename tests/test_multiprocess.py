@@ -9,7 +9,8 @@ against 5e-4, 1e-3, 5e-4) and the loss not scaled by the number of processes (gr
 AdamW is the one whose resume needs the optimizer state; DDP under SGD runs in the dynamic-sampling test, and
 the gradient scale SGD would see under FSDP is checked exactly by tests/test_sharding.py. The resume is
 compared in the two plain checks (DDP and FSDP); the dynamic-sampling, mixture and two-machine checks skip it
-(``--no-resume``: two launches fewer each). Planted and seen to fail (FSDP): the resume not loading the sharded
+(``--no-resume``: a launch fewer each). The checks share their one-process runs (``reference_cache``): the
+DDP and FSDP checks train the same one, and so do the two mixture checks. Planted and seen to fail (FSDP): the resume not loading the sharded
 optimizer state, the rollout without gathering the parameters (see tests/test_sharding.py), and gradients synchronised
 on every micro-batch (reduce-scatters [5, 5] per step instead of [0, 9]: "gradients reduced once per step: NO").
 The runs train with KL to a frozen reference, sharded under FSDP (its bytes are in the total)."""
@@ -29,10 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 LENGTH_TASK = ROOT / "tests" / "fixtures" / "answer_length_task.py"
 
 
-def _check(*args: str) -> str:
+@pytest.fixture(scope="module")
+def reference_cache(tmp_path_factory):
+    """One folder of one-process runs for the module's checks: the checks that train the same overrides (DDP and
+    FSDP; the two mixture checks) train the one-process run once."""
+    return tmp_path_factory.mktemp("one-process-runs")
+
+
+def _check(reference_cache, *args: str) -> str:
     steps = [] if "--steps" in args else ["--steps", "3"]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "check_two_process.py"), *steps, *args],
+        [sys.executable, str(ROOT / "scripts" / "check_two_process.py"), *steps, "--reference-cache", str(reference_cache), *args],
         capture_output=True, text=True, timeout=900,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -41,15 +49,15 @@ def _check(*args: str) -> str:
 
 
 @pytest.mark.slow
-def test_two_processes_train_what_one_process_trains():
+def test_two_processes_train_what_one_process_trains(reference_cache):
     """DDP, AdamW (the optimizer whose resume needs its state); DDP under SGD, which sees a gradient scale AdamW
     hides in its weights (not in the grad norms this compares too), runs in the dynamic-sampling test below."""
-    _check("--strategy", "ddp", "--optimizers", "adamw")
+    _check(reference_cache, "--strategy", "ddp", "--optimizers", "adamw")
 
 
 @pytest.mark.slow
-def test_two_sharded_processes_train_what_one_process_trains_with_half_the_memory_each():
-    out = _check("--strategy", "fsdp", "--optimizers", "adamw")
+def test_two_sharded_processes_train_what_one_process_trains_with_half_the_memory_each(reference_cache):
+    out = _check(reference_cache, "--strategy", "fsdp", "--optimizers", "adamw")
     total = next(line for line in out.splitlines() if line.strip().startswith("total"))
     assert total.count("(50.0%)") == 2, out  # each rank holds half of parameters + gradients + AdamW state + reference
     reference = next(line for line in out.splitlines() if line.strip().startswith("reference"))
@@ -58,14 +66,14 @@ def test_two_sharded_processes_train_what_one_process_trains_with_half_the_memor
 
 
 @pytest.mark.slow
-def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does():
+def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does(reference_cache):
     """Flat GRPO (each thought trained on its M rows) under DeepSeekMath's per-sequence normaliser, with dynamic
     sampling on a reward the untrained model's groups often score all alike (``long_answer``: steps 2 and 3
     draw 4 prompts again): SGD sees a wrong normaliser or a different choice of groups as a weight difference.
     Planted and seen to fail: the flat sequence weights divided by the process-local row count (weights 3.9e-2
     apart, grad norms doubled); each process deciding its draws and groups alone (weights 1.6e-2 apart, draws
     [0, 4, 4] against [0, 4, 0])."""
-    out = _check("--strategy", "ddp", "--optimizers", "sgd", "--no-resume", "--set", "data.task=long_answer", "algorithm.advantage_estimator=grpo",
+    out = _check(reference_cache, "--strategy", "ddp", "--optimizers", "sgd", "--no-resume", "--set", "data.task=long_answer", "algorithm.advantage_estimator=grpo",
                  "algorithm.answer_baseline=prompt", "algorithm.loss_aggregation=sequence", "algorithm.dynamic_sampling=true")  # fmt: skip
     drawn = next(line for line in out.splitlines() if "prompts drawn again" in line)
     assert drawn.split(": ", 1)[1].split(" / ")[0] != "[0, 0, 0]", drawn  # the draws were exercised
@@ -75,22 +83,22 @@ def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does
 
 
 @pytest.mark.slow
-def test_sharded_processes_train_a_mixture_with_text_only_micro_batches_as_one_process_does():
+def test_sharded_processes_train_a_mixture_with_text_only_micro_batches_as_one_process_does(reference_cache):
     """Grounding scenes (images) + code (text-only prompts): at some steps one process's micro-batch has no
     image while the other's has, so the vision tower runs on one process only unless it always runs
     (prompts.idle_vision_term); 4 steps, SGD. Planted and seen to fail: the vision call skipped on a text-only
     micro-batch (gloo aborts: "Received data size doesn't match expected size"; see also tests/fsdp_parts.py
     --mixed, which also makes one process's answers one token long)."""
-    out = _check("--strategy", "fsdp", "--optimizers", "sgd", "--steps", "4", "--mixture", "--no-resume")
+    out = _check(reference_cache, "--strategy", "fsdp", "--optimizers", "sgd", "--steps", "4", "--mixture", "--no-resume")
     assert "micro-batches where one process has no image and the other has one: 0" not in out
 
 
 @pytest.mark.slow
-def test_two_machines_of_one_process_train_a_mixture_as_one_process_does():
+def test_two_machines_of_one_process_train_a_mixture_as_one_process_does(reference_cache):
     """The multi-node launch (accelerate's --num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1, one
-    process each, gloo) on the mixture, DDP, AdamW: the same code as one machine, the same result as one
-    process."""
-    out = _check("--strategy", "ddp", "--optimizers", "adamw", "--steps", "4", "--mixture", "--machines", "2", "--no-resume")
+    process each, gloo) on the mixture, DDP, SGD: the same code as one machine, the same result as one process
+    (the one-process run the FSDP mixture check trained)."""
+    out = _check(reference_cache, "--strategy", "ddp", "--optimizers", "sgd", "--steps", "4", "--mixture", "--machines", "2", "--no-resume")
     assert out.startswith("strategy: ddp; machines: 2")
 
 
