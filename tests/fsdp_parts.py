@@ -1,12 +1,14 @@
 """FSDP2 pieces against an unsharded copy of the same model, on CPU processes over gloo (run by
 tests/test_sharding.py under ``torch.distributed.run --nproc_per_node 2``):
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_parts.py MODEL_DIR [--lora] [--freeze-vision]
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_parts.py MODEL_DIR [VARIANT ...]
 
-Each rank samples its own prompts with the sharded model (under ``sharding.gathered``) and the unsharded
-copy, scores its rows with the sharded scorer (tree-shared forward and re-encoding) and backpropagates
-its share of a loss, and clips; the unsharded copy computes the same on every rank's rows. Rank 0 prints
-one JSON line of the largest differences."""
+VARIANT is a ``+``-joined set of flags (``full`` for none): ``lora``, ``freeze-vision``,
+``gradient-checkpointing``, ``mixed``; e.g. ``full lora mixed+lora``. Each variant runs in turn in the same
+launch (one start of the processes for all of them). Each rank samples its own prompts with the sharded model
+(under ``sharding.gathered``) and the unsharded copy, scores its rows with the sharded scorer (tree-shared
+forward and re-encoding) and backpropagates its share of a loss, and clips; the unsharded copy computes the
+same on every rank's rows. Rank 0 prints one JSON line: per variant, the largest differences."""
 
 from __future__ import annotations
 
@@ -58,28 +60,52 @@ def loss_of(logprobs: torch.Tensor) -> torch.Tensor:
     return (logprobs * weights).sum()
 
 
+# lora: LoRA adapters on q and v; freeze-vision: the vision tower frozen; gradient-checkpointing: as the 7B FSDP
+# preset trains; mixed: the last rank's prompts are text-only and its answers one token long (a task mixture's
+# worst case)
+FLAGS = ("lora", "freeze-vision", "gradient-checkpointing", "mixed")
+
+
+def parse_variant(variant: str) -> argparse.Namespace:
+    flags = [] if variant == "full" else variant.split("+")
+    unknown = sorted(set(flags) - set(FLAGS))
+    if unknown:
+        raise SystemExit(f"variant {variant!r}: unknown flags {unknown}; valid: full or a +-joined set of {list(FLAGS)}")
+    return argparse.Namespace(**{flag.replace("-", "_"): flag in flags for flag in FLAGS})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
-    parser.add_argument("--lora", action="store_true")
-    parser.add_argument("--freeze-vision", action="store_true")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="as the 7B FSDP preset trains")
-    parser.add_argument(
-        "--mixed", action="store_true",
-        help="the last rank's prompts are text-only and its answers one token long (a task mixture's worst case)",
-    )  # fmt: skip
+    parser.add_argument("variants", nargs="*", default=["full"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     # a collective one rank skips fails in a minute (gloo's default would wait half an hour)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
+    found = {}
+    for variant in args.variants:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, run_variant(args.model_dir, parse_variant(variant), rank, world))
+        found[variant] = {"ranks": [r for r, _ in gathered], "memory": [m for _, m in gathered]}
+    if rank == 0:
+        print(json.dumps(found), flush=True)
+    # both processes leave the last collective before either tears the group down: a process that destroyed
+    # its gloo pairs while the other still read from them aborted ("terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def run_variant(model_dir: str, args: argparse.Namespace, rank: int, world: int) -> tuple[dict, dict]:
+    """This rank's differences and the bytes it holds, for one variant."""
 
     def make_policy():
-        policy = load_policy(args.model_dir, attn_implementation="sdpa")
+        policy = load_policy(model_dir, attn_implementation="sdpa")
         if args.lora:
             torch.manual_seed(1)  # the same adapter initialisation in both copies
             policy.adapter = lora.apply_lora(
-                policy.model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], base_model_name_or_path=args.model_dir
+                policy.model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], base_model_name_or_path=model_dir
             )
             # LoRA B starts at zero: move it so the adapters change the output
             for name, p in policy.model.named_parameters():
@@ -164,16 +190,7 @@ def main() -> int:
         reference_norm = float(torch.nn.utils.clip_grad_norm_(plain_trainable, 1e9))  # 1e9: measures, clips nothing
         result[f"{key}_grad_norm"] = [sharding.clip_grad_norm_(trainable, 1e9), reference_norm]
     result["trainable_parameters"] = len(trainable)
-    memory = sharding.state_bytes(sharded.model, torch.optim.SGD(trainable, lr=0.1), rank)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, (result, memory))
-    if rank == 0:
-        print(json.dumps({"ranks": [r for r, _ in gathered], "memory": [m for _, m in gathered]}), flush=True)
-    # both processes leave the last collective before either tears the group down: a process that destroyed
-    # its gloo pairs while the other still read from them aborted ("terminate called without an active exception")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return result, sharding.state_bytes(sharded.model, torch.optim.SGD(trainable, lr=0.1), rank)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def test_sharded_processes_train_a_mixture_with_text_only_micro_batches_as_one_p
     image while the other's has, so the vision tower runs on one process only unless it always runs
     (prompts.idle_vision_term); 4 steps, SGD. Planted and seen to fail: the vision call skipped on a text-only
     micro-batch (gloo aborts: "Received data size doesn't match expected size"; see also tests/fsdp_parts.py
-    --mixed, which also makes one process's answers one token long)."""
+    variant mixed, which also makes one process's answers one token long)."""
     out = _check(reference_cache, "--strategy", "fsdp", "--optimizers", "sgd", "--steps", "4", "--mixture", "--no-resume")
     assert "micro-batches where one process has no image and the other has one: 0" not in out
 

@@ -80,28 +80,30 @@ def test_gathered_is_a_no_op_on_an_unsharded_module(tiny_policy):
     assert not sharding.is_sharded(tiny_policy.model)
 
 
-def _parts(model_dir, *flags):
+VARIANTS = ["full", "lora", "gradient-checkpointing", "mixed", "mixed+gradient-checkpointing", "mixed+lora"]
+
+
+@pytest.fixture(scope="module")
+def sharded_parts(untrained_tiny_dir):
+    """Every variant of tests/fsdp_parts.py, in one launch of two processes (one start for all six)."""
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "fsdp_parts.py"), str(model_dir), *flags],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "fsdp_parts.py"), str(untrained_tiny_dir), *VARIANTS],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV,
-    )
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "flags",
-    [(), ("--lora",), ("--gradient-checkpointing",), ("--mixed",), ("--mixed", "--gradient-checkpointing"), ("--mixed", "--lora")],
-    ids=["full", "lora", "gradient-checkpointing", "mixed", "mixed-gradient-checkpointing", "mixed-lora"],
-)
-def test_sharded_model_samples_scores_and_backpropagates_like_the_unsharded_one(untrained_tiny_dir, flags):
-    found = _parts(untrained_tiny_dir, *flags)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.replace("+", "-") for v in VARIANTS])
+def test_sharded_model_samples_scores_and_backpropagates_like_the_unsharded_one(sharded_parts, untrained_tiny_dir, variant):
+    found = sharded_parts[variant]
+    flags = variant.split("+")
     for rank in found["ranks"]:
         assert rank["sampled_same_tokens"]  # same seed, same tokens
         assert rank["sampling_logprob_difference"] <= 1e-5
         forwards = [f for f in ("shared", "reencode") if f"{f}_logprob_difference" in rank]
-        assert forwards == (["reencode"] if "--gradient-checkpointing" in flags else ["shared", "reencode"])
+        assert forwards == (["reencode"] if "gradient-checkpointing" in flags else ["shared", "reencode"])
         for forward in forwards:
             assert rank[f"{forward}_logprob_difference"] <= 1e-5
             assert rank[f"{forward}_grad_max"] > 1e-2  # the gradients compared are not all zero
