@@ -169,7 +169,7 @@ def test_every_run_starts_from_the_config_file_with_the_grid_on_top(tmp_path, ca
 @pytest.mark.slow
 def test_quick_grid_runs_writes_the_report_and_resumes(tmp_path, capsys):
     out = tmp_path / "study"
-    assert study.main(["--quick", "--output-dir", str(out), "train.num_threads=1"]) == 0
+    assert study.main(["--quick", "--jobs", "2", "--output-dir", str(out), "train.num_threads=1"]) == 0
     report = (out / "report.md").read_text()
     assert "| T4A1 | GRPO" in report and "| T2A2 | GRPO-MA" in report and "| 2 | " in report  # the variance table, M = 2
     for name in re.findall(r"!\[[^]]+\]\(([^)]+)\)", report):
@@ -180,7 +180,7 @@ def test_quick_grid_runs_writes_the_report_and_resumes(tmp_path, capsys):
     kept = (out / "runs" / "T4A1-seed0" / "metrics.jsonl").read_text()
     (interrupted / "summary.json").unlink()
     capsys.readouterr()
-    assert study.main(["--quick", "--output-dir", str(out), "train.num_threads=1"]) == 0
+    assert study.main(["--quick", "--jobs", "2", "--output-dir", str(out), "train.num_threads=1"]) == 0
     printed = capsys.readouterr().out
     assert "T2A2 seed 1: resuming" in printed and printed.count("done earlier, kept") == 4  # three runs, the variance
     assert (interrupted / "summary.json").is_file()
