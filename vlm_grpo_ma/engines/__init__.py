@@ -7,8 +7,13 @@ advantages, the batch and the update do not know which one sampled. ``hf`` (``hf
 decode loop of ``decode.sample_tree``; ``vllm`` (``vllm.py``) an in-process vLLM engine that samples the tree
 through its prefix cache and gets the policy's weights after every update.
 
-An engine has three calls: ``sample(policy, samples, prompts, num_thoughts=, num_answers=, settings=)`` ->
-Rollout; ``push_weights(policy)`` after each update; ``step_metrics()`` -> figures of the last step.
+An engine has five calls: ``sample(policy, samples, prompts, num_thoughts=, num_answers=, settings=)`` ->
+Rollout of those prompts; ``sleep_until_push()`` once the step's sampling is done, before the update;
+``push_weights(policy)`` after each update, on every process; ``step_metrics()`` -> figures of the last step;
+``close(orderly)`` at the run's end. And four facts the run reads: ``samples_with_policy`` (the trainer's
+model decodes: gather FSDP units and autocast around ``sample``), ``processes_per_engine`` (a group of that
+many consecutive processes shares one engine and sends it the group's prompts; each keeps its own share),
+``metrics_prefix`` (where one process's figures go in a launch, or None) and ``name``.
 """
 
 from __future__ import annotations

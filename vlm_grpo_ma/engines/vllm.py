@@ -6,13 +6,23 @@ thought as prompt ids + thought ids with ``n = M``: the prompt's and thought's K
 prefix cache, not recomputed. Prompts are sent as token ids with one image placeholder per image (vLLM expands
 it to the image's patch count; already-expanded ids would be expanded again).
 
-After every update ``push_weights`` loads the policy's weights into the engine (LoRA: merged) and resets its
-encoder cache (image features of the old vision tower) and prefix cache (KV of the old weights).
+Every process of a launch hosts the engine in-process: one process alone runs vLLM's own single-worker
+executor; a launch of N processes gives vLLM its process group (``distributed_executor_backend=
+"external_launcher"``), and each group of ``tensor_parallel_size`` consecutive processes forms one engine
+(N / TP engines). The members of a group send the same requests (the group's prompts, under the same seed)
+and each keeps its own share of the tree (``processes_per_engine``: the run's loop slices it). A thought's M
+answers are asked of the engine that sampled the thought, so its KV blocks are in that engine's prefix cache.
 
-Facts this depends on (docs/VLLM.md): the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one
-process only); the prefix cache reuses full blocks only, and the CPU backend takes block sizes that are
-multiples of 32 (its default, 128, gives no hit on ~105-token prompts); per-request seeds crash the CPU build,
-so each stage runs under torch's global generator seeded from the step's seed (``_seeded``).
+After every update ``push_weights`` streams the policy's weights into the engine one tensor at a time in the
+engine's dtype (``streamed_weights``: FSDP gathers each parameter, LoRA merges each adapted layer; never a
+second whole copy of the model) and resets its encoder cache (image features of the old vision tower) and
+prefix cache (KV of the old weights). Every process pushes: under FSDP the gathers are collective.
+
+Facts this depends on (docs/VLLM.md): the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the prefix
+cache reuses full blocks only, and the CPU backend takes block sizes that are multiples of 32 (its default,
+128, gives no hit on ~105-token prompts); per-request seeds crash the CPU build, so each stage runs under
+torch's global generator seeded from the step's seed (``_seeded``); vLLM's teardown destroys the default
+process group, so the run closes the engine (``close``) as its last collective act.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import contextlib
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -42,22 +52,25 @@ def vllm_installed() -> bool:
 
 def check_vllm(num_processes: int, *, tensor_parallel_size: int = 1, sleep: bool = False) -> None:
     """ValueError, saying why and what to set instead, where the engine cannot run here (the run turns it into
-    a config error before anything loads)."""
+    a config error before anything loads): vLLM missing, or installed but failing to import (built for another
+    torch), or a tensor-parallel size that does not split the launch's processes into whole groups."""
     if not vllm_installed():
         raise ValueError(
             f"rollout.engine=vllm but vLLM is not installed in this environment; install it with `{INSTALL_COMMAND}`"
             " (or use rollout.engine=hf)"
         )
-    if num_processes > 1:
+    try:
+        import vllm  # noqa: F401  (what the engine imports when it starts, minutes later)
+    except Exception as error:  # an ImportError or OSError of a build made for another torch or platform
         raise ValueError(
-            f"rollout.engine=vllm runs in one process only (the in-process engine); this launch has {num_processes}"
-            " processes: use rollout.engine=hf with several processes"
-        )
-    if tensor_parallel_size != 1:
+            f"rollout.engine=vllm but vLLM is installed and does not import: {type(error).__name__}: {error}."
+            f" Reinstall it for this torch with `{INSTALL_COMMAND}` (or use rollout.engine=hf)"
+        ) from None
+    if tensor_parallel_size < 1 or num_processes % tensor_parallel_size:
+        valid = [size for size in range(1, num_processes + 1) if num_processes % size == 0]
         raise ValueError(
-            f"rollout.vllm_tensor_parallel_size={tensor_parallel_size}: the engine runs in the trainer's"
-            " process and gets the weights as tensors there, which one worker takes; several tensor-parallel workers"
-            " (separate processes) are not supported yet: set it to 1"
+            f"rollout.vllm_tensor_parallel_size={tensor_parallel_size}: each group of that many processes hosts one"
+            f" engine, so it must divide the launch's {num_processes} process(es); valid: {', '.join(map(str, valid))}"
         )
     if sleep and not torch.cuda.is_available():
         raise ValueError("rollout.vllm_sleep=true needs a GPU (vLLM's sleep mode frees GPU memory); set it to false")
@@ -72,31 +85,42 @@ def unexpanded_ids(input_ids: Sequence[int], image_token_id: int) -> list[int]:
     return out
 
 
-def merged_state_dict(policy: Policy) -> dict[str, torch.Tensor]:
-    """The policy's weights under the model's own names, LoRA adapters folded in (``W + delta``, computed, the
-    model untouched): what a model folder saved from a merge would hold."""
-    state = policy.model.state_dict()
-    if policy.adapter is None:
-        return state
-    from peft.tuners.lora import LoraLayer
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a DTensor: all-gathered, collective), else the tensor itself."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else tensor
 
-    adapter_name = policy.adapter.active_adapter
-    merged = {}
+
+def streamed_weights(policy: Policy, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the model's own names, one tensor at a time, in ``dtype``: what a model
+    folder saved from the policy (LoRA: merged) holds, without ever holding a second whole copy of the model.
+    FSDP2 shards are gathered one parameter at a time (every process must consume the stream in the same
+    order: the gathers are collective); a LoRA-adapted layer is merged as it is reached, ``W + scale * B @ A``
+    computed in fp32 and cast, the model untouched."""
+    adapted = {}
+    if policy.adapter is not None:
+        from peft.tuners.lora import LoraLayer
+
+        adapter_name = policy.adapter.active_adapter
+        adapted = {f"{name}.base_layer.weight": module for name, module in policy.model.named_modules()
+                   if isinstance(module, LoraLayer) and adapter_name in module.lora_A}  # fmt: skip
     with torch.no_grad():
-        for name, module in policy.model.named_modules():
-            if isinstance(module, LoraLayer) and adapter_name in module.lora_A:
-                merged[f"{name}.weight"] = module.base_layer.weight + module.get_delta_weight(adapter_name)
-    out = {}
-    for key, value in state.items():
-        if ".lora_" in key:
-            continue
-        key = key.replace(".base_layer.", ".")
-        out[key] = merged.get(key, value)
-    return out
+        for key, value in policy.model.state_dict().items():
+            if ".lora_" in key:
+                continue
+            tensor = _whole(value)
+            module = adapted.get(key)
+            if module is not None:
+                delta = _whole(module.lora_B[adapter_name].weight).float() @ _whole(module.lora_A[adapter_name].weight).float()
+                if module.fan_in_fan_out:
+                    delta = delta.T
+                tensor = tensor.float() + delta * module.scaling[adapter_name]
+            yield key.replace(".base_layer.", "."), tensor.to(dtype)
 
 
 class VLLMEngine:
     name = "vllm"
+    samples_with_policy = False  # the trainer's model is not called while sampling: no FSDP gather, no autocast
 
     def __init__(
         self,
@@ -104,10 +128,12 @@ class VLLMEngine:
         *,
         dtype: str,
         seed: int,
-        max_images: int = 1,  # images per prompt the engine reserves room for (the built-in tasks: 1)
+        max_images: int = 1,  # images per prompt the engine reserves room for (the run: the data's most)
         gpu_memory_utilization: float = 0.35,
         kv_cache_gib: float = 1.0,
         tensor_parallel_size: int = 1,
+        num_processes: int = 1,  # the launch's processes; several: the engine joins its process group
+        process_index: int = 0,
         sleep: bool = False,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
@@ -118,11 +144,15 @@ class VLLMEngine:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
         from vllm import LLM
 
+        self.processes_per_engine = tensor_parallel_size
+        self.process_index, self.num_processes = process_index, num_processes
+        self.engine_index = process_index // tensor_parallel_size
         pixels = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        launch = {"distributed_executor_backend": "external_launcher"} if num_processes > 1 else {}
         self.llm = LLM(
             model=model_dir,
             dtype=dtype,
-            seed=seed,
+            seed=seed + self.engine_index,  # the members of a group must agree; sampling is seeded per step anyway
             enable_prefix_caching=True,
             block_size=BLOCK_SIZE,
             enforce_eager=not on_gpu,  # CPU: starts in seconds; GPU: CUDA graphs
@@ -133,9 +163,11 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size,
             enable_sleep_mode=sleep,
+            **launch,
         )
+        self.dtype = getattr(torch, dtype)
         self.sleep, self.max_images = sleep, max_images
-        self.asleep = False  # put to sleep after sampling (vllm_sleep), woken before the next sample or push
+        self.asleep = False  # put to sleep for the update (vllm_sleep), woken by the push that follows it
         # The CPU worker replaces torch.set_num_threads with a warning, which image processing then prints
         # thousands of times a step; the thread count is the engine's either way.
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.getMessage())
@@ -143,19 +175,37 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------------------------
 
-    def _wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def sleep_until_push(self) -> None:
+        """After the step's sampling (every draw of it), before the update: with ``sleep``, free the engine's
+        GPU memory, weights included (level 2): the push after the update loads them again anyway."""
+        if self.sleep and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def push_weights(self, policy: Policy) -> None:
-        """Load the policy's current weights into the engine, then drop everything computed with the old ones:
-        the encoder cache (image features) and the prefix cache (KV blocks)."""
-        self._wake()
-        state = merged_state_dict(policy)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+        """Load the policy's current weights into the engine, streamed (``streamed_weights``), then drop
+        everything computed with the old ones: the encoder cache (image features) and the prefix cache (KV
+        blocks). Every process of a launch calls it at the same point (FSDP: the stream gathers)."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])  # the weights' memory back; the KV cache after they are loaded
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": streamed_weights(policy, self.dtype)})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache", "scheduling"])
+            self.asleep = False
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
+
+    def close(self, orderly: bool) -> None:
+        """End the engine before the run's process group goes. ``orderly`` (every process got here): vLLM's own
+        teardown, which destroys its process groups and the default one; else (this process stops alone, the
+        others may wait in a collective) nothing is torn down, and vLLM's exit-time teardown is cancelled too."""
+        core_client = self.llm.llm_engine.engine_core
+        if orderly:
+            core_client.shutdown()
+        else:
+            finalizer = getattr(core_client, "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
 
     def sample(
         self,
@@ -167,11 +217,11 @@ class VLLMEngine:
         num_answers: int,
         settings: SamplingSettings,
     ) -> Rollout:
-        self._wake()  # dynamic sampling samples again before the next push
+        """The tree of every prompt given (a group of ``processes_per_engine`` processes: the group's prompts,
+        the same on each member; the run keeps each member's share)."""
+        if self.asleep:
+            raise RuntimeError("the vllm engine sleeps until the next push_weights; sampling now would use freed memory")
         tree = self.sample_tree(policy, samples, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=settings)
-        if self.sleep:
-            self.llm.sleep(level=1)  # weights to host memory, KV cache freed, until the next sample or push
-            self.asleep = True
         return rollout_from_tree(policy, samples, prompts, tree, num_thoughts=num_thoughts, num_answers=num_answers)
 
     def sample_tree(self, policy, samples, prompts, *, num_thoughts: int, num_answers: int, settings: SamplingSettings) -> TreeSample:
@@ -255,12 +305,23 @@ class VLLMEngine:
         values = {metric.name: getattr(metric, "value", None) for metric in self.llm.get_metrics()}
         return float(values.get("vllm:prefix_cache_hits") or 0.0), float(values.get("vllm:prefix_cache_queries") or 0.0)
 
+    @property
+    def metrics_prefix(self) -> str | None:
+        """Where this process's own figures go in a launch of several (``rollout/process3/``; the members of
+        a tensor-parallel group report their one engine's hit rate)."""
+        return f"rollout/process{self.process_index}/" if self.num_processes > 1 else None
+
     def step_metrics(self) -> dict[str, float]:
-        """The prefix-cache hit rate since the last call (one step): hit tokens / queried tokens."""
+        """The prefix-cache hit rate since the last call (one step): hit tokens / queried tokens; in a launch
+        also under this process's name (the run averages the plain key over the processes)."""
         hits, queries = self._prefix_counters()
         step_hits, step_queries = hits - self._counted[0], queries - self._counted[1]
         self._counted = (hits, queries)
-        return {"rollout/prefix_cache_hit_rate": step_hits / step_queries if step_queries else 0.0}
+        hit_rate = step_hits / step_queries if step_queries else 0.0
+        metrics = {"rollout/prefix_cache_hit_rate": hit_rate}
+        if self.metrics_prefix:
+            metrics[self.metrics_prefix + "prefix_cache_hit_rate"] = hit_rate
+        return metrics
 
 
 @contextlib.contextmanager

@@ -60,12 +60,12 @@ class RolloutConfig:
     reward_workers: int = 8  # worker processes scoring answers (each reward call runs in one)
     reward_timeout_s: float = 30.0  # deadline of one reward call; past it: killed, scored 0, count/reward_timeouts
     # What samples the K x M tree (vlm_grpo_ma/engines): hf (the KV-branching decode loop of engines/decode.py, the
-    # default) or vllm (an in-process vLLM engine: `scripts/setup.sh --vllm`; one process only; docs/VLLM.md).
+    # default) or vllm (an in-process vLLM engine in every process of a launch: `scripts/setup.sh --vllm`; docs/VLLM.md).
     engine: str = "hf"
     vllm_gpu_memory_utilization: float = 0.35  # the share of GPU memory the engine takes (weights + KV cache)
     vllm_kv_cache_gib: float = 1.0  # CPU build only: its KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)
-    vllm_tensor_parallel_size: int = 1
-    vllm_sleep: bool = False  # GPU only: free the engine's memory during the update (sleep level 1), wake after
+    vllm_tensor_parallel_size: int = 1  # processes per engine: groups of this many consecutive processes share one
+    vllm_sleep: bool = False  # GPU only: free the engine's memory, weights too, during the update (sleep level 2)
 
 
 @dataclass

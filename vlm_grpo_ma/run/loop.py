@@ -16,7 +16,7 @@ from collections import Counter
 
 from vlm_grpo_ma.algorithm.advantages import compute_advantages, informative_prompts
 from vlm_grpo_ma.engines.decode import SEED_STRIDE, SamplingSettings, prompt_generators
-from vlm_grpo_ma.engines.rollout import Rollout
+from vlm_grpo_ma.engines.rollout import Rollout, gather_groups
 from vlm_grpo_ma.model import lora
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import EncodedPrompt, encode_prompt
@@ -50,6 +50,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     steps_in_a_row_without_signal = 0
     # SIGTERM saves and stops like Ctrl-C (exit code 143); several processes stop together (survive.together)
     restore_sigterm = survive.raise_on_sigterm(accelerator.num_processes)
+    stopped_alone = False
     try:
         if run.eval_sets and run.start_step == 0:  # the start of the held-out curve: the samples of every later one
             policy.model.eval()
@@ -60,6 +61,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         while step < cfg.train.steps:
             started = time.perf_counter()
             prompts, rollout, scored, rollout_seconds, generated_tokens = sample_step(run, step)
+            run.engine.sleep_until_push()  # vllm_sleep: the engine's memory is the update's until the push
             # groups whose K*M rewards are all equal: every advantage 0, nothing learned from them
             scored.counters["groups_without_signal"] += int((~informative_prompts(scored.rewards)).sum())
             step_counts = sum_over_processes(accelerator, scored.counters)
@@ -114,12 +116,16 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                     pass
     except BaseException as error:
         save_on_the_way_out(run, step, guard, completed, error)  # nothing lost on a crash or Ctrl-C
+        stopped_alone = not getattr(error, "stopped_together", False)
         raise
     finally:
         restore_sigterm()
         run.logger.close()
         if run.run_lock is not None:
             run.run_lock.close()
+        # the engine ends while the process group still stands (vLLM's teardown destroys it); no teardown when
+        # this process stops alone: the others may be waiting in a collective
+        run.engine.close(orderly=not stopped_alone)
     summary = write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
     if counters["steps_without_signal"] and accelerator.is_main_process:
         print(f"no learning signal in {counters['steps_without_signal']} of {step} steps (every group's rewards"
@@ -140,17 +146,20 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
     extra draws are part of the stream's position."""
     cfg, algo = run.cfg, run.cfg.algorithm
     share, first = run.prompts_per_process, run.accelerator.process_index * run.prompts_per_process
+    engine_first, engine_count = engine_share(run)
     groups, sampling_seconds, generated_tokens, counts = [], 0.0, 0, Counter()
     for draw in range(1 + (algo.dynamic_sampling_max_draws if algo.dynamic_sampling else 0)):
         started = time.perf_counter()
         # Each block between collectives runs in survive.together: an error on one process stops every process.
-        samples, prompts, settings = step_prompts(run, step, draw)  # the whole draw, this share encoded
+        samples, prompts, settings = step_prompts(run, step, draw)  # the whole draw, this engine's share encoded
         run.policy.model.eval()  # dropout off while sampling (the tiny model has none; real ones may)
-        # bf16 compute when train.mixed_precision=bf16 (weights may be fp32); FSDP: gathered once for it
-        with sharding.gathered(run.scorer), run.accelerator.autocast(), survive.together(run.accelerator):
-            rollout = run.engine.sample(run.policy, samples[first : first + share], prompts[first : first + share],
+        with policy_sampling(run), survive.together(run.accelerator):
+            rollout = run.engine.sample(run.policy, samples[engine_first : engine_first + engine_count],
+                                        prompts[engine_first : engine_first + engine_count],
                                         num_thoughts=cfg.rollout.num_thoughts, num_answers=cfg.rollout.num_answers,
                                         settings=settings)  # fmt: skip
+        if engine_count != share:  # an engine shared by a group of processes sampled the group's prompts
+            rollout = gather_groups([(rollout, b) for b in range(first - engine_first, first - engine_first + share)])
         sampling_seconds += time.perf_counter() - started
         generated_tokens += sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
         with survive.together(run.accelerator):
@@ -175,18 +184,40 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
     return prompts, dataclasses.replace(rollout, prompts=prompts), scored, sampling_seconds, generated_tokens
 
 
+def engine_share(run: RunState) -> tuple[int, int]:
+    """(first prompt, number of prompts) of the step that this process's engine samples: the process's own
+    share, or, where a group of ``processes_per_engine`` processes shares one engine (vLLM tensor parallel),
+    the group's shares, which every member sends alike."""
+    group_size = run.engine.processes_per_engine
+    group = run.accelerator.process_index // group_size
+    return group * group_size * run.prompts_per_process, group_size * run.prompts_per_process
+
+
+@contextlib.contextmanager
+def policy_sampling(run: RunState):
+    """What sampling with the trainer's own model needs (the HF engine): bf16 compute under
+    train.mixed_precision=bf16 (weights may be fp32), and FSDP units gathered once for the whole tree. An
+    engine holding its own weights (vLLM) gets neither."""
+    if not run.engine.samples_with_policy:
+        yield
+        return
+    with sharding.gathered(run.scorer), run.accelerator.autocast():
+        yield
+
+
 def step_prompts(run: RunState, step: int, draw: int = 0) -> tuple[list, list[EncodedPrompt | None], SamplingSettings]:
     """The samples of step ``step``'s ``draw``-th draw (dynamic sampling draws again), all of them, and their
-    encoded prompts, of which this process encodes only its share (prompts ``process_index * share`` onwards;
-    the others are None), with its sampling settings. Every process draws the same samples (same stream, same
-    skips: ``draw_prompts``)."""
-    cfg, share, accelerator = run.cfg, run.prompts_per_process, run.accelerator
+    encoded prompts, of which this process encodes only its engine's share (``engine_share``; the others are
+    None), with that share's sampling settings. Every process draws the same samples (same stream, same skips:
+    ``draw_prompts``)."""
+    cfg, accelerator = run.cfg, run.accelerator
+    engine_first, engine_count = engine_share(run)
     samples, prompts = draw_prompts(
         run.stream, cfg.train.prompts_per_step, lambda sample: encode_sample(run.policy, sample), run.counters,
         process_index=accelerator.process_index, num_processes=accelerator.num_processes, exchange=exchange_with(accelerator),
+        processes_per_share=run.engine.processes_per_engine,
     )  # fmt: skip
-    first_prompt = accelerator.process_index * share
-    return samples, prompts, sampling_settings(cfg, step, draw * cfg.train.prompts_per_step + first_prompt, share)
+    return samples, prompts, sampling_settings(cfg, step, draw * cfg.train.prompts_per_step + engine_first, engine_count)
 
 
 def encode_sample(policy: Policy, sample) -> EncodedPrompt:
@@ -212,10 +243,11 @@ def exchange_with(accelerator):
 
 def draw_prompts(
     stream: PromptStream, count: int, encode, counters: Counter, *, process_index: int = 0, num_processes: int = 1,
-    exchange=lambda work: [work()],
+    exchange=lambda work: [work()], processes_per_share: int = 1,
 ) -> tuple[list, list[EncodedPrompt | None]]:  # fmt: skip
     """The next ``count`` samples of ``stream`` that encode, and their prompts, of which this process encodes
     only its share: slots ``process_index * share ..`` (``share = count // num_processes``); the others are None.
+    With ``processes_per_share`` > 1 (processes sharing one engine) each process encodes its group's shares.
     A broken or missing image is skipped and counted (``skipped_broken_images``), never fatal, and every
     process skips the same samples: the samples one process would take, whatever the number of processes.
 
@@ -223,8 +255,9 @@ def draw_prompts(
     ``found + j`` unless an earlier one fails, so the process owning that slot encodes it (each process decodes
     its own images only). ``exchange`` shares the failures (the only collective: one per round); a sample that
     an earlier failure moved into another process's share is encoded again by its new owner."""
-    share = count // num_processes
-    mine = range(process_index * share, (process_index + 1) * share)
+    share = (count // num_processes) * processes_per_share
+    group = process_index // processes_per_share
+    mine = range(group * share, (group + 1) * share)
     samples: list = []
     prompts: dict[int, EncodedPrompt] = {}  # slot -> this process's encoded prompt
     attempts = skipped = 0
@@ -297,6 +330,8 @@ def step_metrics(
         metrics["signal/uninformative_groups_trained"] = step_counts["uninformative_groups_trained"]
     metrics.update(update)
     metrics.update(run.engine.step_metrics())  # vllm: rollout/prefix_cache_hit_rate
+    if run.engine.metrics_prefix:  # vLLM in a launch: each process's gap under its name too
+        metrics[run.engine.metrics_prefix + "logprob_gap_max"] = metrics["rollout/logprob_gap_max"]
     metrics.update(sharding.state_bytes(run.policy.model, run.optimizer, run.accelerator.process_index, getattr(run.reference, "module", None)))
     metrics.update(timing_metrics(batch, *seconds, generated_tokens))
     metrics.update(

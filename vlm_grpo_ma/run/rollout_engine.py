@@ -9,7 +9,8 @@ from vlm_grpo_ma.run.config import Config, ConfigError
 
 def check_engine(cfg: Config, num_processes: int) -> None:
     """Refuse, before anything loads, an engine that cannot run here: vllm without vLLM installed (naming the
-    command that installs it) or with several processes."""
+    command that installs it), installed but not importing, or a tensor-parallel size that does not divide
+    the launch's processes."""
     if cfg.rollout.engine not in ENGINES:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not valid; choose one of: {', '.join(ENGINES)}")
     if cfg.rollout.engine == "vllm":
@@ -21,11 +22,12 @@ def check_engine(cfg: Config, num_processes: int) -> None:
             raise ConfigError(str(error)) from None
 
 
-def make_engine(cfg: Config, policy):
-    """The engine ``rollout.engine`` names, ready to sample with ``policy``'s current weights. vLLM's: the
-    policy's model folder, the run's precision, then the policy's current weights (a resumed or LoRA run's
-    differ from the folder's)."""
-    check_engine(cfg, 1)
+def make_engine(cfg: Config, policy, *, max_images: int = 1, num_processes: int = 1, process_index: int = 0):
+    """The engine ``rollout.engine`` names, ready to sample with ``policy``'s current weights. vLLM's (one per
+    group of ``rollout.vllm_tensor_parallel_size`` processes of the launch): the policy's model folder, the
+    run's precision, room for ``max_images`` images a prompt (the data's most), then the policy's current
+    weights (a resumed or LoRA run's differ from the folder's). Every process of a launch calls it."""
+    check_engine(cfg, num_processes)
     if cfg.rollout.engine == "hf":
         from vlm_grpo_ma.engines.hf import HFEngine
 
@@ -39,6 +41,9 @@ def make_engine(cfg: Config, policy):
         gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
         kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
         tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size,
+        num_processes=num_processes,
+        process_index=process_index,
+        max_images=max(max_images, 1),
         sleep=cfg.rollout.vllm_sleep,
         min_pixels=cfg.model.min_pixels,
         max_pixels=cfg.model.max_pixels,

@@ -96,7 +96,7 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
         torch.set_num_threads(cfg.train.num_threads)
     accelerator = make_accelerator(cfg)
     num_processes = accelerator.num_processes
-    check_engine(cfg, num_processes)  # vllm missing or with several processes: stop before anything loads
+    check_engine(cfg, num_processes)  # vllm missing, not importing, or a TP size off the launch: stop before anything loads
     check_tree_fits(cfg, accelerator)  # a K x M the memory model says cannot fit: stop before anything loads
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
@@ -180,7 +180,6 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     else:
         optimizer = accelerator.prepare(optimizer)
     reference = make_reference(policy, scorer, cfg, accelerator.device, fsdp)
-    engine = make_engine(cfg, policy)  # after a resume's weights are loaded: the engine gets those
     spikes = GradSpikeMonitor()
     if history_state is not None:
         if history_state["optimizer"] == sharding.SHARDED_OPTIMIZER:
@@ -234,6 +233,10 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     counters = Counter(history_state["counters"]) if history_state else Counter()
     for reason, n in load_skips.items():  # set, not added: a resumed run has loaded (and skipped) them again
         counters[f"skipped_{reason}_at_load"] = n
+    # Last, so that nothing between here and train()'s try can fail with an engine to end (close). After a
+    # resume's weights are loaded: the engine gets those. Room for the most images any training prompt holds.
+    engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples),
+                         num_processes=num_processes, process_index=accelerator.process_index)  # fmt: skip
     return RunState(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
         policy=policy, scorer=scorer, optimizer=optimizer, scheduler=scheduler, reference=reference, fsdp=fsdp,
