@@ -197,6 +197,26 @@ def test_lora_has_no_reference_copy_and_bf16_autocast_halves_the_cache():
     assert bf16.kv_cache == 16 * 74 * 2 * 2 * 2 * 2 + 12 * 10 * 12
 
 
+def test_a_vllm_engine_takes_its_share_of_the_gpu_and_sleeps_through_the_update():
+    """rollout.engine=vllm: the engine's share of the GPU is counted (both phases, or the rollout's only when it
+    sleeps), the trainer's KV cache and FSDP gather are not (it does not decode), and a push adds the largest
+    tensor's fp32 copy and its cast: the embedding, 10 x 4 x (4 + 4) = 320 bytes. Planted: the share left out
+    of the update phase (the 3B full fine-tuning preset then read "fits" on 80 GB with the engine awake)."""
+    total = parameter_counts(SMALL).total
+    hf = memory_model.estimate(SMALL, _small_cfg(), 2, "fsdp")
+    e = memory_model.estimate(SMALL, _small_cfg("rollout.engine=vllm"), 2, "fsdp", device_bytes=100_000)
+    assert (e.engine, e.engine_in_update, e.kv_cache, e.fsdp_rollout_gather) == (35_000, 35_000, 0, 0)
+    assert e.engine_weights == 4 * total and e.push_transient == 320
+    assert e.rollout_peak == hf.weights + hf.optimizer + 35_000 + 320
+    assert e.update_peak == hf.update_peak + 35_000
+    asleep = memory_model.estimate(SMALL, _small_cfg("rollout.engine=vllm", "rollout.vllm_sleep=true"), 2, "fsdp", device_bytes=100_000)
+    assert asleep.update_peak == hf.update_peak and asleep.rollout_peak == e.rollout_peak
+    tp2 = memory_model.estimate(SMALL, _small_cfg("rollout.engine=vllm", "rollout.vllm_tensor_parallel_size=2"), 2, "ddp", device_bytes=100_000)
+    assert tp2.engine_weights == 2 * total  # each member of the group holds half
+    with pytest.raises(ValueError, match=r"rollout.engine=vllm takes a share of the GPU's memory"):
+        memory_model.estimate(SMALL, _small_cfg("rollout.engine=vllm"), 1, "ddp")
+
+
 def test_bad_arguments_name_the_value_and_the_choices():
     with pytest.raises(ValueError, match="strategy 'zero3' is not one of ddp, fsdp"):
         memory_model.estimate(SMALL, _small_cfg(), 1, "zero3")

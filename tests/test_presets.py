@@ -371,8 +371,16 @@ def gpu_check_sections():
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if not n.startswith("tiny-")])
-def test_one_gpu_presets_sample_with_vllm(name):
-    """One-GPU presets sample with vLLM (the in-process engine: one process); the FSDP preset, launched on
-    several processes, with the HF engine."""
+def test_gpu_presets_sample_with_vllm_and_fit_by_the_memory_model(name):
+    """Every GPU preset samples with vLLM (an engine in every process, the FSDP preset's too), and fits by the
+    memory model with the engine's share counted: on one 80 GB GPU, or, for the full fine-tuning presets of the
+    larger models, sharded over 8 (each preset's comment says which)."""
+    from vlm_grpo_ma.model.architectures import architecture_of
+    from vlm_grpo_ma.run.memory_model import estimate, verdict
+
     cfg = load_config(ROOT / "configs" / name)
-    assert cfg.rollout.engine == ("hf" if "fsdp" in name else "vllm"), name
+    assert cfg.rollout.engine == "vllm", name
+    needs_fsdp = "7b" in name or "qwen3-vl-4b" in name
+    processes, strategy = (8, "fsdp") if needs_fsdp else (1, "ddp")
+    e = estimate(architecture_of(cfg.model.name_or_path), cfg, processes, strategy, device_bytes=80 * 10**9)
+    assert e.engine > e.engine_weights and verdict(e.peak, 80) == "fits", (name, e.peak)

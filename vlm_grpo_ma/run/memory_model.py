@@ -30,8 +30,15 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   log-probabilities over the vocabulary. FSDP gathers the whole model for the rollout: the other (N-1)/N of
   the weights are added to this phase.
 
-The peak is weights + optimizer + reference + the larger of (rollout: KV cache [+ FSDP gather]) and (update:
-gradients + activations). A prompt is its visual tokens (``model.max_pixels`` / (patch x merge)^2) plus
+- vLLM engine (``rollout.engine=vllm``): the engine takes ``rollout.vllm_gpu_memory_utilization`` of the GPU
+  (its weights, ``parameters x engine dtype / rollout.vllm_tensor_parallel_size``, and its KV cache in that
+  share), and the trainer then holds no KV cache and gathers nothing for the rollout. With
+  ``rollout.vllm_sleep`` the engine frees it all (sleep level 2) for the update, so only the rollout phase
+  counts it. Pushing the weights adds one tensor at a time: at most the largest tensor (the embedding) as an
+  fp32 copy (FSDP's gather, LoRA's merge) and its cast to the engine's dtype.
+
+The peak is weights + optimizer + reference + the larger of (rollout: KV cache [+ FSDP gather] or the engine's
+share and one pushed tensor) and (update: gradients + activations [+ the engine's share unless it sleeps]). A prompt is its visual tokens (``model.max_pixels`` / (patch x merge)^2) plus
 ``prompt_text_tokens`` (64: system prompt and instruction). Not counted: CUDA context and allocator slack
 (~1-3 GB on a GPU), image preprocessing on the host. ``scripts/check_real_size.py`` compares the one-process
 prediction with the peak RSS measured on a CPU; ``scripts/check_two_process.py --strategy fsdp`` prints the
@@ -71,14 +78,18 @@ class MemoryEstimate:
     gradients_between_steps: int  # FSDP: the shards (what sharding.state_bytes reads after a step)
     trained_elements: int
     micro_batches_per_process: int
+    engine: int = 0  # vLLM: its share of the GPU while awake (weights + KV cache)
+    engine_in_update: int = 0  # vLLM: what it holds during the update (0 when it sleeps)
+    engine_weights: int = 0  # vLLM: its weights on this GPU (within ``engine``)
+    push_transient: int = 0  # vLLM: the one tensor being pushed (fp32 copy + cast)
 
     @property
     def rollout_peak(self) -> int:
-        return self.weights + self.optimizer + self.reference + self.kv_cache + self.fsdp_rollout_gather
+        return self.weights + self.optimizer + self.reference + self.kv_cache + self.fsdp_rollout_gather + self.engine + self.push_transient
 
     @property
     def update_peak(self) -> int:
-        return self.weights + self.optimizer + self.reference + self.gradients + self.activations
+        return self.weights + self.optimizer + self.reference + self.gradients + self.activations + self.engine_in_update
 
     @property
     def peak(self) -> int:
@@ -150,7 +161,12 @@ def tree_shared_layer_bytes(arch: Architecture, cfg: Config, *, prompts: int, pr
     return encoded * layer_bytes_per_token(arch, cfg) + attention
 
 
-def estimate(arch: Architecture, cfg: Config, processes: int = 1, strategy: str = "ddp", prompt_text_tokens: int = PROMPT_TEXT_TOKENS) -> MemoryEstimate:
+def estimate(
+    arch: Architecture, cfg: Config, processes: int = 1, strategy: str = "ddp", prompt_text_tokens: int = PROMPT_TEXT_TOKENS,
+    device_bytes: int | None = None,
+) -> MemoryEstimate:  # fmt: skip
+    """The bytes per GPU of ``cfg`` on ``processes`` GPUs under ``strategy``. ``device_bytes``: one GPU's memory,
+    needed where the vLLM engine samples (it takes a share of it)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if processes < 1 or cfg.train.prompts_per_step % processes:
@@ -206,9 +222,20 @@ def estimate(arch: Architecture, cfg: Config, processes: int = 1, strategy: str 
     kv_rows = prompts * (k * m + k)
     kv_cache = kv_rows * sequence * layers * 2 * kv * a + prompts * k * m * vocab * 12
     gather = full_weights - weights if strategy == "fsdp" and processes > 1 else 0
+    engine = engine_in_update = engine_weights = push_transient = 0
+    if cfg.rollout.engine == "vllm":
+        if device_bytes is None:
+            raise ValueError("rollout.engine=vllm takes a share of the GPU's memory: give the GPU's size (device_bytes)")
+        kv_cache = gather = 0  # the engine samples in its own memory; the trainer's model is not gathered for it
+        engine = math.ceil(cfg.rollout.vllm_gpu_memory_utilization * device_bytes)
+        engine_in_update = 0 if cfg.rollout.vllm_sleep else engine
+        engine_dtype_bytes = compute_bytes(cfg)  # the engine runs in bf16 under mixed precision, as the trainer computes
+        engine_weights = math.ceil(counts.total * engine_dtype_bytes / cfg.rollout.vllm_tensor_parallel_size)
+        push_transient = vocab * h * (4 + engine_dtype_bytes)
     return MemoryEstimate(
         weights=weights, gradients=gradients, optimizer=optimizer, reference=reference, activations=activations,
         kv_cache=kv_cache, fsdp_rollout_gather=gather, gradients_between_steps=math.ceil(trained * trained_bytes / shard), trained_elements=trained, micro_batches_per_process=micro_batches,
+        engine=engine, engine_in_update=engine_in_update, engine_weights=engine_weights, push_transient=push_transient,
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ def _gb(n: int) -> str:
 
 
 def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_gb: float) -> str:
-    e = estimate(arch, cfg, processes, strategy)
+    e = estimate(arch, cfg, processes, strategy, device_bytes=int(gpu_gb * 1e9))
     lines = [
         f"{cfg.model.name_or_path}: {parameter_counts(arch).total:,} parameters, {e.trained_elements:,} trained; "
         f"{processes} process(es), {strategy}, {e.micro_batches_per_process} micro-batch(es) per process and step",
@@ -36,15 +36,31 @@ def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_g
         lines.append(f"  {part:<12} {getattr(e, part):>16,}  ({_gb(getattr(e, part))} GB)")
     if e.fsdp_rollout_gather:
         lines.append(f"  {'fsdp gather':<12} {e.fsdp_rollout_gather:>16,}  ({_gb(e.fsdp_rollout_gather)} GB, the rollout's gathered weights)")
-    lines.append(f"  rollout peak {e.rollout_peak:>16,}  ({_gb(e.rollout_peak)} GB: weights + optimizer + reference + KV cache)")
-    lines.append(f"  update peak  {e.update_peak:>16,}  ({_gb(e.update_peak)} GB: weights + optimizer + reference + gradients + activations)")
-    lines.append(f"  peak         {e.peak:>16,}  ({_gb(e.peak)} GB): {verdict(e.peak, gpu_gb)} in {gpu_gb:g} GB (CUDA context and allocator slack not counted)")
+    if e.engine:
+        sleeps = "frees it for the update (vllm_sleep)" if not e.engine_in_update else "holds it through the update"
+        lines.append(f"  {'vllm engine':<12} {e.engine:>16,}  ({_gb(e.engine)} GB: {cfg.rollout.vllm_gpu_memory_utilization:g} of the GPU,"
+                     f" its weights {_gb(e.engine_weights)} GB, the rest its KV cache; {sleeps})")  # fmt: skip
+        lines.append(f"  {'weight push':<12} {e.push_transient:>16,}  ({_gb(e.push_transient)} GB: the largest tensor's fp32 copy and cast)")
+        lines.append(f"  rollout peak {e.rollout_peak:>16,}  ({_gb(e.rollout_peak)} GB: weights + optimizer + reference + vllm engine + weight push)")
+        lines.append(f"  update peak  {e.update_peak:>16,}  ({_gb(e.update_peak)} GB: weights + optimizer + reference + gradients + activations"
+                     f"{' + vllm engine' if e.engine_in_update else ''})")  # fmt: skip
+    else:
+        lines.append(f"  rollout peak {e.rollout_peak:>16,}  ({_gb(e.rollout_peak)} GB: weights + optimizer + reference + KV cache)")
+        lines.append(f"  update peak  {e.update_peak:>16,}  ({_gb(e.update_peak)} GB: weights + optimizer + reference + gradients + activations)")
+    lines.append(f"  peak         {e.peak:>16,}  ({_gb(e.peak)} GB): {fit(e, gpu_gb)} in {gpu_gb:g} GB (CUDA context and allocator slack not counted)")
     return "\n".join(lines)
+
+
+def fit(e, gpu_gb: float) -> str:
+    """``verdict`` of the peak, or why the vLLM engine cannot start in its share."""
+    if e.engine and e.engine <= e.engine_weights:
+        return "no (the vLLM share holds not even the engine's weights: raise rollout.vllm_gpu_memory_utilization)"
+    return verdict(e.peak, gpu_gb)
 
 
 def table() -> str:
     """Every preset: predicted peak GB per GPU on 1 GPU, 8 GPUs DDP and 8 GPUs FSDP, and whether it fits in
-    80 and 141 GB."""
+    80 and 141 GB (a preset sampling with vLLM: its engine's share of each GPU size counted, two peaks)."""
     header = "| preset | model | 1 GPU | 8 GPUs, DDP | 8 GPUs, FSDP |"
     lines = [header, "|---|---|---|---|---|"]
     for path in preset_paths():
@@ -55,8 +71,12 @@ def table() -> str:
             if cfg.train.prompts_per_step % processes:
                 cells.append(f"n/a ({cfg.train.prompts_per_step} prompts/step)")
                 continue
-            peak = estimate(arch, cfg, processes, strategy).peak
-            fits = ", ".join(f"{gb} GB: {verdict(peak, gb)}" for gb in GPU_SIZES_GB)
+            estimates = {gb: estimate(arch, cfg, processes, strategy, device_bytes=int(gb * 1e9)) for gb in GPU_SIZES_GB}
+            if cfg.rollout.engine == "vllm":
+                cells.append(", ".join(f"{gb} GB: {_gb(e.peak)} {fit(e, gb)}" for gb, e in estimates.items()))
+                continue
+            peak = estimates[GPU_SIZES_GB[0]].peak
+            fits = ", ".join(f"{gb} GB: {fit(e, gb)}" for gb, e in estimates.items())
             cells.append(f"{_gb(peak)} GB ({fits})")
         lines.append(f"| {path.name} | {cfg.model.name_or_path} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
