@@ -192,3 +192,24 @@ def test_sampling_after_a_push_equals_a_fresh_engine_with_those_weights(vllm_set
     assert pushed.thought_ids == fresh.thought_ids and pushed.answer_ids == fresh.answer_ids
     for mine, theirs in zip(pushed.thought_logprobs + pushed.answer_logprobs, fresh.thought_logprobs + fresh.answer_logprobs, strict=True):
         assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+@pytest.mark.vllm
+def test_a_run_whose_prompts_hold_two_images_samples_them_with_vllm(tmp_path):
+    """The engine reserves room for the most images a training prompt holds (VQA fixtures: two, one and none).
+    Planted: the engine started for one image, as it was; the first two-image prompt then raised a ValueError
+    at sampling, after the engine had started. The engine's log-probs of every prompt are the trainer's."""
+    import json
+    from pathlib import Path
+
+    from conftest import tiny_run_config
+
+    from vlm_grpo_ma.run import loop as train_module
+
+    _needs_vllm()
+    source = Path(__file__).resolve().parent / "fixtures" / "vqa" / "project.jsonl"
+    cfg = tiny_run_config("tiny", tmp_path / "run", "data.task=vqa", f"data.source={source}", "rollout.engine=vllm",
+                          "train.prompts_per_step=3", "train.eval_every=0", steps=1)  # fmt: skip
+    train_module.train(cfg)
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert record["rollout/logprob_gap_max"] < 1e-4

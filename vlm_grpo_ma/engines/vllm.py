@@ -248,7 +248,7 @@ class VLLMEngine:
         if max(map(len, images), default=0) > self.max_images:
             raise ValueError(
                 f"a prompt has {max(map(len, images))} images; the vllm engine was started for at most {self.max_images}"
-                " (the built-in tasks have one): use rollout.engine=hf for this task"
+                " (the run starts it for the most any training prompt holds)"
             )
         heads = [unexpanded_ids(p.input_ids, policy.image_token_id) for p in prompts]
 
