@@ -27,6 +27,13 @@ must issue the same collectives whatever its rows hold. ``--machines 2`` launche
 machines of one process each (``--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1``), the
 multi-node launch, on this host.
 
+``--engine vllm`` (after ``scripts/setup.sh --vllm``) samples with the vLLM engine in both processes, on the
+mixture, at each ``--tensor-parallel-sizes`` (1: two engines; 2: one engine of both processes): it prints per
+step and process the prefix-cache hit rate and the engine's log-prob gap to the trainer, seconds per step
+beside the same launch with the HF engine, and compares the weights with a run whose trees are the same (TP 2:
+one process; TP 1 under FSDP: the DDP launch; TP 1 under DDP: none, and it says why), then the run stopped a
+step early and resumed.
+
 ``--set`` adds config overrides to every run, e.g. another objective: ``--set algorithm.advantage_estimator=grpo
 algorithm.loss_aggregation=sequence algorithm.dynamic_sampling=true``.
 
@@ -296,6 +303,76 @@ def check_optimizer(
     )
 
 
+def per_process(run_dir: Path, key: str, processes: int = 2) -> list[list[float]]:
+    """Per step, each process's ``rollout/process{i}/{key}`` (the vLLM engine in a launch logs them)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [[r[f"rollout/process{i}/{key}"] for i in range(processes)] for r in records if r["step"] > 0]
+
+
+def seconds_per_step(run_dir: Path) -> float:
+    """The mean wall time of the steps after the first (the first holds the engines' and caches' warm-up)."""
+    seconds = [json.loads(line)["time/step_seconds"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["step"] > 1]  # fmt: skip
+    return sum(seconds) / len(seconds)
+
+
+def check_vllm_engines(
+    work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str, tensor_parallel_size: int,
+    resume: bool, cache: Path | None,
+) -> bool:
+    """rollout.engine=vllm in both processes (``tensor_parallel_size`` 1: two engines; 2: one engine of both):
+    per step and process the prefix-cache hit rate and the engine's log-prob gap to the trainer, seconds per
+    step beside the HF engine on the same launch, and the weights against a run whose trees are equal: TP 2
+    samples the one-process tree (the same requests under the same seed), so against one process; TP 1's two
+    engines sample with two seeds, which no one-process run repeats, so FSDP is compared with the DDP launch of
+    the same engines, and DDP with nothing (its gap and hit rate are the check). ``resume``: the run stopped a
+    step early and resumed repeats the straight run (a fresh engine from the checkpoint's weights, the step's
+    seeds)."""
+    overrides = [*run_overrides(model_dir, steps, optimizer), MIXTURE, "rollout.engine=vllm",
+                 f"rollout.vllm_tensor_parallel_size={tensor_parallel_size}", "rollout.max_thought_tokens=40"]  # fmt: skip
+    name = f"{optimizer}-vllm-tp{tensor_parallel_size}"
+    two, resumed, hf = work / f"{name}-{strategy}", work / f"{name}-{strategy}-resumed", work / f"{name}-{strategy}-hf"
+    saves = [f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"] if resume else []
+    launch(two, [*overrides, *saves], 2, strategy=strategy)
+    launch(hf, [*overrides, "rollout.engine=hf"], 2, strategy=strategy)
+    hit_rates, gaps = per_process(two, "prefix_cache_hit_rate"), per_process(two, "logprob_gap_max")
+    print(f"vllm, {strategy}, tensor-parallel size {tensor_parallel_size} ({2 // tensor_parallel_size} engine(s)), {optimizer}:"
+          " step | hit rate process 0, 1 | log-prob gap process 0, 1")  # fmt: skip
+    for step, (rates, step_gaps) in enumerate(zip(hit_rates, gaps, strict=True), start=1):
+        print(f"  {step} | {rates[0]:.3f} {rates[1]:.3f} | {step_gaps[0]:.2e} {step_gaps[1]:.2e}")
+    vllm_seconds, hf_seconds = seconds_per_step(two), seconds_per_step(hf)
+    print(f"  seconds per step (steps 2-{steps}): vllm {vllm_seconds:.2f}, hf {hf_seconds:.2f} (vllm / hf {vllm_seconds / hf_seconds:.2f})")
+    ok = len(hit_rates) == steps and min(min(r) for r in hit_rates) > 0.5 and max(max(g) for g in gaps) < 1e-4
+    from safetensors.torch import load_file
+
+    start, w_two = load_file(Path(model_dir) / "model.safetensors"), final_weights(two)
+    moved = max_abs_difference(w_two, start)
+    print(f"  largest weight change from the start: {moved:.3e}")
+    ok = ok and moved > 10 * tolerance
+    reference = None
+    if tensor_parallel_size == 2:
+        reference = one_process_run(work / name, [o for o in overrides if "tensor_parallel" not in o], cache)
+        print("  trees equal to one process's (one engine of both processes, the same requests and seed): weights vs one process")
+    elif strategy == "fsdp":
+        reference = work / f"{name}-ddp"
+        launch(reference, overrides, 2, strategy="ddp")
+        print("  two engines sample with two seeds, which no one-process run repeats: weights vs the DDP launch of the same engines")
+    else:
+        print("  two engines sample with two seeds, which no one-process run repeats: no weight comparison (FSDP compares with this launch)")
+    if reference is not None:
+        difference = max_abs_difference(final_weights(reference), w_two)
+        print(f"  largest weight difference: {difference:.3e}")
+        ok = ok and difference <= tolerance
+    if resume:
+        shutil.copytree(two, resumed)
+        shutil.rmtree(resumed / "checkpoints" / f"step-{steps:06d}")
+        launch(resumed, overrides, 2, resume=True, strategy=strategy)
+        resume_difference = max_abs_difference(w_two, final_weights(resumed))
+        print(f"  straight vs stopped and resumed (a fresh engine from the checkpoint): {resume_difference:.3e}")
+        ok = ok and resume_difference <= tolerance
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", choices=sorted(LAUNCH_CONFIGS), default="ddp", help="how two processes split the work")
@@ -309,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-resume", action="store_true", help="skip the stopped-and-resumed run (a launch fewer)")
     parser.add_argument("--reference-cache", type=Path, metavar="DIR",
                         help="keep the untrained model and the one-process runs in DIR; reuse a run with the same overrides")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="vllm: the vLLM engine in both processes (hit rate, gap, seconds beside hf; scripts/setup.sh --vllm)")
+    parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1, 2], choices=(1, 2),
+                        help="--engine vllm: rollout.vllm_tensor_parallel_size values to check")
     args = parser.parse_args(argv)
     from vlm_grpo_ma.model.tiny import build_untrained
 
@@ -321,10 +402,16 @@ def main(argv: list[str] | None = None) -> int:
         extra = (*([MIXTURE] if args.mixture else []), *args.set)
         print(f"strategy: {args.strategy}; machines: {args.machines}; steps: {args.steps} (warmup 1, then linear decay), global "
               f"batch: 4 prompts x 2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}" + (f"; overrides: {' '.join(extra)}" if extra else ""))
-        results = [
-            check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, extra, args.machines, not args.no_resume, cache)
-            for name in args.optimizers
-        ]
+        if args.engine == "vllm":
+            results = [
+                check_vllm_engines(work, model_dir, args.steps, name, args.tolerance, args.strategy, size, not args.no_resume, cache)
+                for name in args.optimizers for size in args.tensor_parallel_sizes
+            ]
+        else:
+            results = [
+                check_optimizer(work, model_dir, args.steps, name, args.tolerance, args.strategy, extra, args.machines, not args.no_resume, cache)
+                for name in args.optimizers
+            ]
     ok = all(results)
     print("equivalent" if ok else "NOT equivalent")
     return 0 if ok else 1
