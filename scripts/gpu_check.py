@@ -167,8 +167,12 @@ class GpuMemoryPoller:
             self._thread.join(timeout=15)
 
 
-def train_command(args, model_dir: Path, run_dir: Path, *, thoughts: int = 4, answers: int = 4, launcher: list[str] | None = None, steps: int | None = None) -> list[str]:
-    """The trainer's command line for a (thoughts x answers) run; ``launcher`` replaces ``python`` (accelerate)."""
+def train_command(
+    args, model_dir: Path, run_dir: Path, *, thoughts: int = 4, answers: int = 4, launcher: list[str] | None = None, steps: int | None = None,
+    engine: str = "hf",
+) -> list[str]:  # fmt: skip
+    """The trainer's command line for a (thoughts x answers) run; ``launcher`` replaces ``python`` (accelerate);
+    ``engine``: rollout.engine (the training sections time the HF engine; section 'vllm' the vLLM one)."""
     run = RUN_DEFAULTS[args.size]
     on_gpu = args.device == "cuda"
     pixels = SPECS[args.size]["image_pixels"]
@@ -199,7 +203,8 @@ def train_command(args, model_dir: Path, run_dir: Path, *, thoughts: int = 4, an
         "logging.report_to=[]",
         "logging.progress_bar=false",
         "logging.rollout_samples_per_step=1",
-        "rollout.engine=hf",  # the HF engine in every process (vLLM runs in one); section 'engines' compares the two
+        f"rollout.engine={engine}",
+        *(["rollout.vllm_sleep=false"] if engine == "vllm" and not on_gpu else []),  # sleep mode needs a GPU
     ]  # fmt: skip
     return command + list(args.overrides)
 
@@ -297,6 +302,7 @@ H200_ESTIMATES = {
     "fsdp": 100,  # two processes, 2 steps (skipped with one GPU)
     "decode": 20,  # scripts/bench_decode_step.py
     "engines": 90,  # vLLM start (~40 s with CUDA graphs) + 2 alternating rounds of each engine (skipped without vLLM)
+    "vllm": 200,  # T4A4 with vLLM: 1 GPU; with 2 GPUs also two engines and one TP-2 engine (~60 s each)
 }
 SECTIONS = {
     "model": "random model",
@@ -306,6 +312,7 @@ SECTIONS = {
     "fsdp": "2-GPU FSDP step",
     "decode": "decode-step benchmark (scripts/bench_decode_step.py)",
     "engines": "rollout engines: vLLM vs HF (python -m vlm_grpo_ma.tools.bench_engines)",
+    "vllm": "T4A4 training with vLLM in every process: 1 GPU, two engines, one TP-2 engine",
 }
 
 
@@ -324,6 +331,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-thought-tokens", type=int, help="default 256 (3b), 8 (tiny)")
     parser.add_argument("--max-answer-tokens", type=int, help="default 32 (3b), 4 (tiny)")
     parser.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget; a section whose estimate does not fit in what is left is skipped (default 560)")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS), metavar="SECTION",
+                        help=f"the sections to run (default all: {' '.join(SECTIONS)}; the model is built for any that needs it). "
+                             "One H200's 560 s hold all but 'vllm'; run that one as a second call: --sections model vllm")
     parser.add_argument("--work-dir", type=Path, help="where the model and the runs go, kept afterwards (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (model, runs, logs) afterwards")
     parser.add_argument("--summary-json", type=Path, help="also write the figures as JSON to this file")
@@ -335,13 +345,17 @@ class Budget:
     """The wall-clock budget: a section runs only when its estimate fits in what is left; subprocesses are
     killed when the budget runs out, so the check never overruns it."""
 
-    def __init__(self, seconds: float, estimates: dict[str, float]):
+    def __init__(self, seconds: float, estimates: dict[str, float], sections=None):
         self.started, self.seconds, self.estimates = time.perf_counter(), seconds, estimates
+        self.sections = set(estimates if sections is None else sections)  # the ones --sections asked for
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.started)
 
     def allows(self, section: str) -> bool:
+        if section not in self.sections:
+            print("  not asked for (--sections)", flush=True)
+            return False
         if self.estimates[section] <= self.left():
             return True
         print(f"  skipped: the budget has {max(self.left(), 0):.0f} s left, this section is estimated at "
@@ -515,6 +529,50 @@ def engines_section(args, model_dir: Path, work: Path, env: dict, budget: Budget
     return text
 
 
+def vllm_section(args, model_dir: Path, work: Path, env: dict, budget: Budget) -> dict | str:
+    """T4A4 training runs sampling with vLLM (the preset's settings, 2 steps): one process; where two GPUs are
+    visible also two processes with an engine each (TP 1) and with one engine of both (TP 2). Per run: exit
+    code, whether a traceback was printed, step and rollout time, generated tokens/s (beside the T4A4 section's
+    HF figure), the prefix-cache hit rate and the log-prob gap per process."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        print("  skipped: vLLM is not installed (scripts/setup.sh --vllm)", flush=True)
+        return "skipped: no vLLM"
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/ddp.yaml"), "--num_processes", "2"]
+    launches = [("1 process", None, [])]
+    if gpus >= 2:
+        launches += [("2 GPUs, two engines (TP 1)", launcher, []), ("2 GPUs, one engine (TP 2)", launcher, ["rollout.vllm_tensor_parallel_size=2"])]
+    else:
+        print(f"  {gpus} GPU(s) visible: two engines and TP 2 need 2, skipped", flush=True)
+    from vlm_grpo_ma.run.metrics import read_metrics
+
+    results = {}
+    for number, (label, run_launcher, extra) in enumerate(launches):
+        run_dir = work / f"run-vllm-{number}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        command = train_command(args, model_dir, run_dir, launcher=run_launcher, steps=max(min(args.steps, 3), 2), engine="vllm") + extra
+        print("  " + " ".join(command[1:]), flush=True)
+        returncode, log_text = run_streaming(command, env, work / f"train-vllm-{number}.log", timeout=budget.left(), echo=False)
+        records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        result = summarize_run(records, log_text)
+        last = records[-1] if records else {}
+        per_process = {key: value for key, value in last.items() if key.startswith("rollout/process")}
+        result.update(exit_code=returncode, traceback="Traceback" in log_text, hit_rate=last.get("rollout/prefix_cache_hit_rate"), per_process=per_process)
+        print(f"  {label}: exit code {returncode}, traceback {'yes' if result['traceback'] else 'no'}, {len(records)} steps;"
+              f" step {_fmt(result['step_seconds'], '.2f', ' s')} (rollout {_fmt(result['rollout_seconds'], '.2f', ' s')}),"
+              f" generated {_fmt(result['generated_tokens_per_second'], ',.0f', ' tokens/s')} a process,"
+              f" hit rate {_fmt(result['hit_rate'], '.3f')}, log-prob gap max {_fmt(result['logprob_mismatch_max'], '.3g')}", flush=True)  # fmt: skip
+        for key, value in sorted(per_process.items()):
+            print(f"    {key} {value:.4g}", flush=True)
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        results[label] = result
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     if args.steps < 1:
@@ -532,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the trainer picks CUDA whenever it sees it
     # On a CPU self-check the H200 estimates mean nothing: every section gets a token estimate
     estimates = H200_ESTIMATES if args.size == "3b" else {k: 1.0 for k in H200_ESTIMATES}
-    budget = Budget(args.budget_s, estimates)
+    budget = Budget(args.budget_s, estimates, {"model", *args.sections})
 
     header(1, "plan")
     print(f"  {environment_line(args.device)}")
@@ -583,7 +641,11 @@ def main(argv: list[str] | None = None) -> int:
         header(8, SECTIONS["engines"])
         if budget.allows("engines"):
             figures["engines"] = engines_section(args, model_dir, work, env, budget)
-        header(9, "summary")
+        header(9, SECTIONS["vllm"])
+        if budget.allows("vllm"):
+            figures["vllm"] = vllm_section(args, model_dir, work, env, budget)
+            failed |= isinstance(figures["vllm"], dict) and any(r["exit_code"] != 0 or r["traceback"] for r in figures["vllm"].values())
+        header(10, "summary")
         for key in ("T4A4", "T16A1"):
             r = figures.get(key)
             if isinstance(r, dict):
@@ -592,6 +654,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"peak {_fmt(r['peak_gpu_memory_gb'], '.1f', ' GiB')}")  # fmt: skip
             else:
                 print(f"  {key:<6} not run")
+        hf_generated = (figures.get("T4A4") or {}).get("generated_tokens_per_second")
+        for label, r in (figures.get("vllm") if isinstance(figures.get("vllm"), dict) else {}).items():
+            print(f"  vllm, {label}: step {_fmt(r['step_seconds'], '.2f', ' s')}, generated {_fmt(r['generated_tokens_per_second'], ',.0f', ' tok/s')}"
+                  f" a process (hf T4A4: {_fmt(hf_generated, ',.0f', ' tok/s')}), hit rate {_fmt(r['hit_rate'], '.3f')}")  # fmt: skip
         for attention, out in (figures.get("forward") or {}).items():
             text = out if isinstance(out, str) else f"ratio {out['ratio']:.2f}x, log-prob max difference {out['logprob_max_abs_diff']:.2e}"
             print(f"  forward, {attention}: {text}")
