@@ -318,7 +318,7 @@ def seconds_per_step(run_dir: Path) -> float:
 
 def check_vllm_engines(
     work: Path, model_dir: Path, steps: int, optimizer: str, tolerance: float, strategy: str, tensor_parallel_size: int,
-    resume: bool, cache: Path | None,
+    resume: bool, cache: Path | None, extra: tuple[str, ...] = (),
 ) -> bool:
     """rollout.engine=vllm in both processes (``tensor_parallel_size`` 1: two engines; 2: one engine of both):
     per step and process the prefix-cache hit rate and the engine's log-prob gap to the trainer, seconds per
@@ -328,8 +328,8 @@ def check_vllm_engines(
     the same engines, and DDP with nothing (its gap and hit rate are the check). ``resume``: the run stopped a
     step early and resumed repeats the straight run (a fresh engine from the checkpoint's weights, the step's
     seeds)."""
-    overrides = [*run_overrides(model_dir, steps, optimizer), MIXTURE, "rollout.engine=vllm",
-                 f"rollout.vllm_tensor_parallel_size={tensor_parallel_size}", "rollout.max_thought_tokens=40"]  # fmt: skip
+    overrides = [*run_overrides(model_dir, steps, optimizer), MIXTURE, "rollout.engine=vllm", "rollout.max_thought_tokens=40",
+                 *(o for o in extra if o != MIXTURE), f"rollout.vllm_tensor_parallel_size={tensor_parallel_size}"]  # fmt: skip
     name = f"{optimizer}-vllm-tp{tensor_parallel_size}"
     two, resumed, hf = work / f"{name}-{strategy}", work / f"{name}-{strategy}-resumed", work / f"{name}-{strategy}-hf"
     saves = [f"train.checkpoint_every={steps - 1}", "train.keep_checkpoints=5"] if resume else []
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
               f"batch: 4 prompts x 2 thoughts x 2 answers, seed 0, tolerance {args.tolerance:g}" + (f"; overrides: {' '.join(extra)}" if extra else ""))
         if args.engine == "vllm":
             results = [
-                check_vllm_engines(work, model_dir, args.steps, name, args.tolerance, args.strategy, size, not args.no_resume, cache)
+                check_vllm_engines(work, model_dir, args.steps, name, args.tolerance, args.strategy, size, not args.no_resume, cache, extra)
                 for name in args.optimizers for size in args.tensor_parallel_sizes
             ]
         else:

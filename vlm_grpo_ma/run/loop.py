@@ -116,7 +116,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                     pass
     except BaseException as error:
         save_on_the_way_out(run, step, guard, completed, error)  # nothing lost on a crash or Ctrl-C
-        stopped_alone = not getattr(error, "stopped_together", False)
+        stopped_alone = accelerator.num_processes > 1 and not getattr(error, "stopped_together", False)
         raise
     finally:
         restore_sigterm()
