@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlm_grpo_ma.model.cache import _cache_argument, _sampling_cache
+from vlm_grpo_ma.model.linear_attention import mark_block
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.logprobs import _policy_logprobs
 from vlm_grpo_ma.model.prompts import (
@@ -115,6 +116,7 @@ def _step(policy: Policy, state: _DecodeState, tokens: torch.Tensor, real: torch
     """Feed one token per row; ``real`` [N] bool marks rows whose token is a real one (else a masked pad)."""
     device = policy.device
     state.attention_mask = torch.cat([state.attention_mask, real.long()[:, None].to(device)], dim=1)
+    mark_block(state.cache, real.long()[:, None].to(device))  # a finished row's pad leaves its linear states as they are
     positions = state.next_position[None, :, None].expand(3, -1, 1)
     out = policy.model(
         input_ids=tokens[:, None].to(device),
@@ -218,11 +220,13 @@ def prefill(
     ``capacity`` tokens per row when given). ``vision_inputs`` are the model's image arguments:
     ``mm_encoder_outputs`` (features already computed) or ``pixel_values`` + ``image_grid_thw``."""
     positions = _rope_positions(policy, ids, mask, grid)
+    cache = _sampling_cache(policy, capacity)
+    mark_block(cache, mask)
     out = policy.model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        **_cache_argument(policy.model, _sampling_cache(policy, capacity)),
+        **_cache_argument(policy.model, cache),
         use_cache=True,
         logits_to_keep=1,
         **vision_inputs,

@@ -1,5 +1,6 @@
-"""The KV cache as the model's forward takes it: the argument's name (it changed in transformers 5.20) and a
-preallocated cache for decoding."""
+"""The KV cache as the model's forward takes it: the argument's name (it changed in transformers 5.20), a new
+cache for the tree (``new_cache``: on a hybrid model its linear-attention layers can branch) and a preallocated
+cache for decoding."""
 
 from __future__ import annotations
 
@@ -29,15 +30,27 @@ def _cache_argument(model: torch.nn.Module, cache) -> dict:
     return {_cache_parameter(type(model)): cache}
 
 
+def new_cache(policy: Policy):
+    """An empty cache for ``policy``'s model that the tree can repeat and select rows of: on a hybrid model
+    (Qwen3.5) its linear-attention layers are ``linear_attention.BranchingLinearLayer``."""
+    from transformers import DynamicCache
+
+    from vlm_grpo_ma.model import linear_attention
+
+    cache = DynamicCache(config=policy.model.config)
+    if linear_attention.is_hybrid(policy.model.config):
+        linear_attention.hybrid_cache_layers(cache)
+    return cache
+
+
 def _sampling_cache(policy: Policy, capacity: int | None):
     """A KV cache for decoding: with ``capacity`` (the longest sequence the rollout can reach) every layer
     writes into a buffer allocated once (``_preallocated_layer_class``) instead of growing by ``torch.cat`` at every
-    token, which copies the whole cache each step. Models whose layers are not plain dynamic ones (sliding
-    windows) keep transformers' own."""
-    from transformers import DynamicCache
+    token, which copies the whole cache each step. Models whose layers are not all plain dynamic ones (sliding
+    windows, Qwen3.5's linear attention) keep ``new_cache``'s."""
     from transformers.cache_utils import DynamicLayer
 
-    cache = DynamicCache(config=policy.model.config)
+    cache = new_cache(policy)
     if capacity is not None and cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
         layer_class = _preallocated_layer_class()
         cache.layers = [layer_class(capacity) for _ in cache.layers]

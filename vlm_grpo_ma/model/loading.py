@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from vlm_grpo_ma.model import linear_attention
 from vlm_grpo_ma.task_api.coords import CoordinateFrame
 
 SUPPORTED_MODEL_TYPES = {
@@ -18,6 +19,10 @@ SUPPORTED_MODEL_TYPES = {
     "qwen2_5_vl": CoordinateFrame.ABSOLUTE_INPUT,
     "qwen2_vl": CoordinateFrame.RELATIVE_1000,
     "qwen3_vl": CoordinateFrame.RELATIVE_1000,
+    # Qwen3.5 (hybrid: Gated DeltaNet linear attention in 3 of every 4 layers, see model/linear_attention.py)
+    # inherits Qwen3-VL's vision stack and grounding format: boxes in 0-1000 of the image
+    "qwen3_5": CoordinateFrame.RELATIVE_1000,
+    "qwen3_5_moe": CoordinateFrame.RELATIVE_1000,
 }
 
 
@@ -210,6 +215,8 @@ def load_policy(
         attn_implementation=pick_attn_implementation(attn_implementation),
         use_kernels=False,
     ).to(device)
+    if linear_attention.is_hybrid(model.config):
+        linear_attention.install(model)  # pads as no-ops, states that branch and carry gradients
     adapter = None
     if adapter_dir is not None:
         from peft import PeftModel

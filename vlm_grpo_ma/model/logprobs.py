@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vlm_grpo_ma.model.cache import _cache_argument
+from vlm_grpo_ma.model.cache import _cache_argument, new_cache
+from vlm_grpo_ma.model.linear_attention import mark_block
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import (
     EncodedPrompt,
@@ -117,6 +118,7 @@ def _continue_block(policy: Policy, cache, mask: torch.Tensor, next_position: to
         block_mask = torch.zeros((len(rows), 1), dtype=torch.long)
     ids, block_mask = ids.to(device), block_mask.to(device)
     mask = torch.cat([mask, block_mask], dim=1)
+    mark_block(cache, block_mask)
     # text after the image: the three mRoPE components are equal
     positions = (next_position[:, None] + torch.arange(ids.shape[1], device=device)[None, :])[None].expand(3, -1, -1)
     hidden = policy.model.model(
@@ -144,8 +146,6 @@ def shared_prefix_logprobs(
     with the embedded model's T4A4 rows that is about 5x the tokens. transformers drops the cache under
     gradient checkpointing, so that setting re-encodes (``CompletionScorer``).
     """
-    from transformers import DynamicCache
-
     device = policy.device
     keys = [(p, tuple(c[:t])) for p, c, t in zip(row_prompt, completions, thought_lengths, strict=True)]
     thought_index = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # distinct (prompt, thought) pairs
@@ -164,7 +164,8 @@ def shared_prefix_logprobs(
     # no image in this micro-batch: the tower runs anyway, where it would have run (see idle_vision_term)
     idle_vision = idle_vision_term(policy) if vision is None else None
     positions = _rope_positions(policy, ids, mask, grid)
-    cache = DynamicCache(config=policy.model.config)
+    cache = new_cache(policy)
+    mark_block(cache, mask)
     prompt_hidden = policy.model.model(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
         **_cache_argument(policy.model.model, cache), **_vision_inputs(vision),
