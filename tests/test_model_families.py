@@ -353,3 +353,43 @@ def test_shared_prefix_training_forward_equals_a_full_reencode(family_policy):
         if any(part in name for part in DECAY_PATH):
             continue  # sums of cancelling fp32 terms: in the global bound above
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()) + 1e-8)
+
+
+def test_lora_on_qwen3_5_adapts_the_linear_attention_layers_and_shares_prefixes(tokenizer, tmp_path, caplog):
+    """LoRA on the hybrid model: the linear-attention projections take adapters when named (and a target list
+    without them is warned about), and the shared-prefix training forward through adapted Gated DeltaNet layers
+    gives the log-probs and adapter gradients of a re-encode."""
+    from vlm_grpo_ma.model import lora
+
+    torch.manual_seed(0)
+    model, processor = _build_qwen3_5(tokenizer)
+    processor.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path)
+    attention_and_mlp = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    with caplog.at_level("WARNING", logger=lora.__name__):
+        lora.apply_lora(load_policy(str(tmp_path)).model, rank=2, alpha=4.0, dropout=0.0, target_modules=attention_and_mlp)
+    assert "in_proj_qkv, in_proj_z, out_proj" in caplog.text
+
+    policy = load_policy(str(tmp_path), attn_implementation="sdpa")
+    targets = attention_and_mlp + list(lora.LINEAR_ATTENTION_TARGETS)
+    policy.adapter = lora.apply_lora(policy.model, rank=2, alpha=4.0, dropout=0.0, target_modules=targets)
+    adapted = lora.adapted_module_names(policy.model)
+    assert {name.rsplit(".", 1)[-1] for name in adapted if ".linear_attn." in name} == set(lora.LINEAR_ATTENTION_TARGETS)
+    generator = torch.Generator().manual_seed(1)
+    for name, parameter in policy.model.named_parameters():
+        if "lora_B" in name:  # B starts at 0: give the adapters an effect
+            parameter.data = 0.1 * torch.randn(parameter.shape, generator=generator)
+    policy.model.eval()
+    prompts = [encode_prompt(policy, s, "Think.") for s in _samples(2)]
+    tree = sample_tree(policy, prompts, num_thoughts=2, num_answers=2, settings=_settings(seed=3))
+    row_prompt = [a // 4 for a in range(len(tree.answer_ids))]
+    completions = [tree.thought_ids[a // 2] + answer for a, answer in enumerate(tree.answer_ids)]
+    thought_lengths = [len(tree.thought_ids[a // 2]) for a in range(len(tree.answer_ids))]
+    adapters = [p for name, p in policy.model.named_parameters() if "lora_" in name and ".linear_attn." in name]
+    shared = shared_prefix_logprobs(policy, prompts, row_prompt, completions, thought_lengths, temperature=1.0)
+    full = sequence_logprobs(policy, prompts, row_prompt, completions, temperature=1.0)
+    assert float((shared - full).detach().abs().max()) <= 1e-5
+    weights = torch.randn(shared.shape, generator=generator)
+    for got, want in zip(torch.autograd.grad((shared * weights).sum(), adapters), torch.autograd.grad((full * weights).sum(), adapters), strict=True):
+        assert float(want.abs().max()) > 0
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))

@@ -123,7 +123,13 @@ def test_same_generator_seed_gives_same_tree(tiny_policy):
 
 @pytest.mark.parametrize(
     "model_type, frame",
-    [("qwen2_5_vl", CoordinateFrame.ABSOLUTE_INPUT), ("qwen2_vl", CoordinateFrame.RELATIVE_1000), ("qwen3_vl", CoordinateFrame.RELATIVE_1000)],
+    [
+        ("qwen2_5_vl", CoordinateFrame.ABSOLUTE_INPUT),
+        ("qwen2_vl", CoordinateFrame.RELATIVE_1000),
+        ("qwen3_vl", CoordinateFrame.RELATIVE_1000),
+        ("qwen3_5", CoordinateFrame.RELATIVE_1000),
+        ("qwen3_5_moe", CoordinateFrame.RELATIVE_1000),
+    ],
 )
 def test_coordinate_frame_by_model_family(model_type, frame):
     assert coordinate_frame_for(model_type) is frame
@@ -132,6 +138,19 @@ def test_coordinate_frame_by_model_family(model_type, frame):
 def test_unknown_model_family_names_the_supported_ones():
     with pytest.raises(ValueError, match="qwen2_5_vl"):
         coordinate_frame_for("llava")
+
+
+def test_a_template_that_opens_the_thought_leaves_the_tags_to_the_model(tiny_policy, monkeypatch):
+    """Thinking models' templates (Qwen3.5) end the generation prompt with "<think>\\n": the prompt is the
+    same as on a template that does not, so the completion the tasks score holds both tags."""
+    sample = Sample("grounding", "0", "Locate: the red circle", (Image.new("RGB", (56, 56), (200, 30, 30)),), [0, 0, 1, 1])
+    plain = encode_prompt(tiny_policy, sample, "Think.").input_ids
+    template = tiny_policy.processor.chat_template
+    opening = template.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+    assert opening != template
+    monkeypatch.setattr(tiny_policy.processor, "chat_template", opening)
+    assert tiny_policy.tokenizer.decode(plain).endswith("<|im_start|>assistant\n")
+    assert encode_prompt(tiny_policy, sample, "Think.").input_ids == plain
 
 
 def test_input_sizes_follow_the_resized_image(tiny_policy):

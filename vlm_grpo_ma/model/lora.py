@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,6 +28,11 @@ from pathlib import Path
 import torch
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"  # peft's file name (peft.utils.CONFIG_NAME)
+# Qwen3.5's Gated DeltaNet layers (3 of every 4) mix tokens through these, not q/k/v/o_proj: the fused query,
+# key and value projection, the output gate and the output. (in_proj_a / in_proj_b give one decay and one write
+# strength per head: too narrow for a rank-r adapter to help.)
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -138,6 +144,13 @@ def apply_lora(
         raise ValueError(
             f"LoRA target_modules {missing} match no Linear layer of the language model; its layer names end in: "
             + ", ".join(known)
+        )
+    linear_attention = {n.rsplit(".", 1)[-1] for n in linear_names} & set(LINEAR_ATTENTION_TARGETS)
+    if linear_attention and not linear_attention & set(target_modules):
+        log.warning(
+            "LoRA targets %s adapt no linear-attention layer: their token mixing (3 of every 4 layers of a hybrid "
+            "model) stays frozen; add %s to model.lora_target_modules to train it",
+            list(target_modules), ", ".join(LINEAR_ATTENTION_TARGETS),
         )
     base = base_model_name_or_path or getattr(model, "name_or_path", "") or None
     if base is not None and Path(base).expanduser().is_dir():

@@ -39,13 +39,30 @@ def prompt_messages(sample: Sample, instruction: str) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
+# What a thinking model's chat template (Qwen3.5, Qwen3-VL-Thinking) appends to the generation prompt to open
+# the thought for the model.
+OPENED_THOUGHT = "<think>"
+
+
+def generation_prompt(policy: Policy, sample: Sample, instruction: str) -> str:
+    """The chat template's text for one sample, ending where the model starts to write. A template that opens
+    the thought itself (``<|im_start|>assistant\n<think>\n``) has that tag taken back: the tasks ask for the
+    whole ``<think>...</think><answer>...</answer>`` and score its format, so on every family the completion,
+    tags included, is the model's."""
+    text = policy.processor.apply_chat_template(
+        prompt_messages(sample, instruction), add_generation_prompt=True, tokenize=False
+    )
+    stripped = text.rstrip()
+    if stripped.endswith(OPENED_THOUGHT):
+        text = stripped[: -len(OPENED_THOUGHT)]
+    return text
+
+
 def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPrompt:
     """Chat template + processor for one sample. Raises ImageLoadError for a broken or missing image, and for
     one the processor refuses."""
     images = [open_image(image) for image in sample.images]
-    text = policy.processor.apply_chat_template(
-        prompt_messages(sample, instruction), add_generation_prompt=True, tokenize=False
-    )
+    text = generation_prompt(policy, sample, instruction)
     try:
         encoded = policy.processor(text=[text], images=images or None, return_tensors="pt")
     except Exception as error:
