@@ -28,6 +28,14 @@ def untrained_tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory):
+    """A randomly initialised tiny Qwen3.5 (hybrid linear attention) saved to disk (tests/tiny_families.py)."""
+    from tiny_families import save_tiny
+
+    return save_tiny("qwen3_5", tmp_path_factory.mktemp("tiny-qwen3_5"))
+
+
+@pytest.fixture(scope="session")
 def tiny_policy(untrained_tiny_dir):
     from vlm_grpo_ma.model.loading import load_policy
 

@@ -1,10 +1,11 @@
 """FSDP2 pieces against an unsharded copy of the same model, on CPU processes over gloo (run by
 tests/test_sharding.py under ``torch.distributed.run --nproc_per_node 2``):
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_parts.py MODEL_DIR [VARIANT ...]
+    python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_parts.py MODEL_DIR [--hybrid-model DIR] [VARIANT ...]
 
 VARIANT is a ``+``-joined set of flags (``full`` for none): ``lora``, ``freeze-vision``,
-``gradient-checkpointing``, ``mixed``; e.g. ``full lora mixed+lora``. Each variant runs in turn in the same
+``gradient-checkpointing``, ``mixed``, ``hybrid`` (the model of --hybrid-model, a Qwen3.5, instead of
+MODEL_DIR); e.g. ``full lora mixed+lora hybrid+lora``. Each variant runs in turn in the same
 launch (one start of the processes for all of them). Each rank samples its own prompts with the sharded model
 (under ``sharding.gathered``) and the unsharded copy, scores its rows with the sharded scorer (tree-shared
 forward and re-encoding) and backpropagates its share of a loss, and clips; the unsharded copy computes the
@@ -62,8 +63,8 @@ def loss_of(logprobs: torch.Tensor) -> torch.Tensor:
 
 # lora: LoRA adapters on q and v; freeze-vision: the vision tower frozen; gradient-checkpointing: as the 7B FSDP
 # preset trains; mixed: the last rank's prompts are text-only and its answers one token long (a task mixture's
-# worst case)
-FLAGS = ("lora", "freeze-vision", "gradient-checkpointing", "mixed")
+# worst case); hybrid: the --hybrid-model (linear-attention states in the cache; LoRA on its projections too)
+FLAGS = ("lora", "freeze-vision", "gradient-checkpointing", "mixed", "hybrid")
 
 
 def parse_variant(variant: str) -> argparse.Namespace:
@@ -78,7 +79,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("model_dir")
     parser.add_argument("variants", nargs="*", default=["full"])
-    args = parser.parse_args()
+    parser.add_argument("--hybrid-model", help="the model folder of the hybrid variants (a Qwen3.5)")
+    args = parser.parse_intermixed_args()
     torch.set_num_threads(1)
     # a collective one rank skips fails in a minute (gloo's default would wait half an hour)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -86,7 +88,11 @@ def main() -> int:
     found = {}
     for variant in args.variants:
         gathered = [None] * world
-        dist.all_gather_object(gathered, run_variant(args.model_dir, parse_variant(variant), rank, world))
+        flags = parse_variant(variant)
+        if flags.hybrid and not args.hybrid_model:
+            raise SystemExit(f"variant {variant!r} needs --hybrid-model")
+        model_dir = args.hybrid_model if flags.hybrid else args.model_dir
+        dist.all_gather_object(gathered, run_variant(model_dir, flags, rank, world))
         found[variant] = {"ranks": [r for r, _ in gathered], "memory": [m for _, m in gathered]}
     if rank == 0:
         print(json.dumps(found), flush=True)
@@ -104,8 +110,9 @@ def run_variant(model_dir: str, args: argparse.Namespace, rank: int, world: int)
         policy = load_policy(model_dir, attn_implementation="sdpa")
         if args.lora:
             torch.manual_seed(1)  # the same adapter initialisation in both copies
+            targets = ["q_proj", "v_proj"] + (["in_proj_qkv", "out_proj"] if args.hybrid else [])
             policy.adapter = lora.apply_lora(
-                policy.model, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], base_model_name_or_path=model_dir
+                policy.model, rank=4, alpha=8, dropout=0.0, target_modules=targets, base_model_name_or_path=model_dir
             )
             # LoRA B starts at zero: move it so the adapters change the output
             for name, p in policy.model.named_parameters():

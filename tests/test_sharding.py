@@ -80,14 +80,16 @@ def test_gathered_is_a_no_op_on_an_unsharded_module(tiny_policy):
     assert not sharding.is_sharded(tiny_policy.model)
 
 
-VARIANTS = ["full", "lora", "gradient-checkpointing", "mixed", "mixed+gradient-checkpointing", "mixed+lora"]
+# hybrid: the tiny Qwen3.5, whose linear-attention states the tree-shared forward carries through FSDP's units
+VARIANTS = ["full", "lora", "gradient-checkpointing", "mixed", "mixed+gradient-checkpointing", "mixed+lora", "hybrid", "hybrid+lora"]
 
 
 @pytest.fixture(scope="module")
-def sharded_parts(untrained_tiny_dir):
-    """Every variant of tests/fsdp_parts.py, in one launch of two processes (one start for all six)."""
+def sharded_parts(untrained_tiny_dir, tiny_qwen3_5_dir):
+    """Every variant of tests/fsdp_parts.py, in one launch of two processes (one start for all of them)."""
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "fsdp_parts.py"), str(untrained_tiny_dir), *VARIANTS],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "fsdp_parts.py"), str(untrained_tiny_dir),
+         "--hybrid-model", str(tiny_qwen3_5_dir), *VARIANTS],
         capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -96,7 +98,7 @@ def sharded_parts(untrained_tiny_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.replace("+", "-") for v in VARIANTS])
-def test_sharded_model_samples_scores_and_backpropagates_like_the_unsharded_one(sharded_parts, untrained_tiny_dir, variant):
+def test_sharded_model_samples_scores_and_backpropagates_like_the_unsharded_one(sharded_parts, untrained_tiny_dir, tiny_qwen3_5_dir, variant):
     found = sharded_parts[variant]
     flags = variant.split("+")
     for rank in found["ranks"]:
@@ -110,8 +112,9 @@ def test_sharded_model_samples_scores_and_backpropagates_like_the_unsharded_one(
             assert rank[f"{forward}_grad_difference"] <= 1e-5 * rank[f"{forward}_grad_max"]
             sharded_norm, unsharded_norm = rank[f"{forward}_grad_norm"]
             assert sharded_norm == pytest.approx(unsharded_norm, rel=1e-5)
-    for rank, memory in enumerate(found["memory"]):  # parameters: half each (the model is evenly divisible)
-        assert memory[f"memory/rank{rank}_parameter_bytes"] < 0.55 * 4 * sum(p.numel() for p in _tiny_parameters(untrained_tiny_dir))
+    model_dir = tiny_qwen3_5_dir if "hybrid" in flags else untrained_tiny_dir
+    for rank, memory in enumerate(found["memory"]):  # parameters: about half each
+        assert memory[f"memory/rank{rank}_parameter_bytes"] < 0.55 * 4 * sum(p.numel() for p in _tiny_parameters(model_dir))
 
 
 def _tiny_parameters(model_dir):
