@@ -473,7 +473,8 @@ def main(argv: list[str] | None = None) -> None:
     defaults = RolloutConfig()  # the token limits of the default run
     for command in (rollout, train):
         command.add_argument(
-            "--models", default=",".join(BENCH_MODELS), help=f"comma-separated, from: {', '.join(BENCH_MODELS)}"
+            "--models", default=",".join(BENCH_MODELS),
+            help=f"comma-separated, from: {', '.join(BENCH_MODELS)}, or model folders (a Qwen3.5, say)",
         )
         command.add_argument("--prompts", "-B", type=int, default=4)
         command.add_argument("--thoughts", "-K", type=int, default=4)

@@ -26,11 +26,18 @@ BENCH_MODELS = (EMBEDDED, *(RANDOM + size for size in SIZES))
 
 def load_bench_policy(name: str, workdir: Path, *, image_size: int | None = None) -> Policy:
     """``embedded``: the shipped model, loaded as the default run loads it. ``random-<size>``, a size of
-    ``vlm_grpo_ma.model.tiny``: an untrained model of that size, saved to ``workdir`` and loaded as the trainer loads it. With ``image_size``
-    the processor's pixel budget is raised so that a ``image_size`` x ``image_size`` image is not shrunk."""
-    if name not in BENCH_MODELS:
-        raise ValueError(f"unknown benchmark model {name!r}; choose from: {', '.join(BENCH_MODELS)}")
-    path = TINY_MODEL_NAME if name == EMBEDDED else str(build_untrained(Path(workdir) / name, size=name.removeprefix(RANDOM)))
+    ``vlm_grpo_ma.model.tiny``: an untrained model of that size, saved to ``workdir`` and loaded as the trainer loads it.
+    A model folder (any supported family, e.g. a Qwen3.5 that ``scripts/check_real_size.py --keep-models`` kept):
+    loaded as it is. With ``image_size`` the processor's pixel budget is raised so that a ``image_size`` x
+    ``image_size`` image is not shrunk."""
+    if name not in BENCH_MODELS and not Path(name).is_dir():
+        raise ValueError(f"unknown benchmark model {name!r}; choose from: {', '.join(BENCH_MODELS)}, or a model folder")
+    if name == EMBEDDED:
+        path = TINY_MODEL_NAME
+    elif name in BENCH_MODELS:
+        path = str(build_untrained(Path(workdir) / name, size=name.removeprefix(RANDOM)))
+    else:
+        path = name
     policy = load_policy(path, dtype="float32", attn_implementation="sdpa")
     policy.model.eval()
     if image_size:
@@ -96,9 +103,9 @@ def load_average() -> str:
 
 def check_models(args: argparse.Namespace) -> list[str]:
     names = [s.strip() for s in args.models.split(",") if s.strip()]
-    unknown = [s for s in names if s not in BENCH_MODELS]
+    unknown = [s for s in names if s not in BENCH_MODELS and not Path(s).is_dir()]
     if unknown:
-        raise SystemExit(f"unknown benchmark model(s) {unknown}; choose from: {', '.join(BENCH_MODELS)}")
+        raise SystemExit(f"unknown benchmark model(s) {unknown}; choose from: {', '.join(BENCH_MODELS)}, or a model folder")
     if args.threads:
         torch.set_num_threads(args.threads)
     return names
