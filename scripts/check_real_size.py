@@ -3,14 +3,17 @@ resume, at Qwen2.5-VL-3B's, Qwen2-VL-2B's and Qwen3-VL-4B's real sizes on this C
 
     .venv/bin/python scripts/check_real_size.py                          # the three families, one after another
     .venv/bin/python scripts/check_real_size.py --models qwen3-vl-2b     # any of vlm_grpo_ma.model.architectures.ARCHITECTURES
+    .venv/bin/python scripts/check_real_size.py --models qwen3.5-2b qwen3.5-4b   # Qwen3.5's hybrid (Gated DeltaNet) sizes
     .venv/bin/python scripts/check_real_size.py --shrunk                 # the same path on shrunk copies (seconds)
     .venv/bin/python scripts/check_real_size.py --gradient-checkpointing # the preset's checkpointed update
 
 For each model, one at a time (a 3B-4B model in bf16 takes 8-9 GB of host memory):
 1. builds it from ``vlm_grpo_ma.model.architectures`` (the published config.json numbers: every width and depth, the
    vision tower's window/full-attention blocks or deepstack layers, tied embeddings, the 151,936-token
-   vocabulary, the M-RoPE sections), random weights allocated directly in bf16, and prints its parameter
-   count against the published one; saves it with the family's real processor around the project's tiny
+   vocabulary (Qwen3.5: 248,320, and its 3:1 Gated DeltaNet / full-attention layers), the M-RoPE sections),
+   random weights allocated directly in bf16, and prints its parameter count against the published one (for
+   Qwen3.5 the hub's figure includes the checkpoint's multi-token-prediction head, which transformers does not
+   build: the built model plus that head's hand count is compared); saves it with the family's real processor around the project's tiny
    tokenizer (its ids fit in the real vocabulary), images resized to ~448 x 448 px;
 2. runs ``python -m vlm_grpo_ma.train`` on it with ``configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml``
    (LoRA rank 64 on every projection, frozen vision tower, bf16 weights and autocast), overriding only what
@@ -115,15 +118,18 @@ def build_folder(arch: architectures.Architecture, out_dir: Path) -> tuple[int, 
 
 
 def published_line(arch: architectures.Architecture, params: int) -> tuple[str, bool]:
-    counted = architectures.parameter_counts(arch).total
+    counts = architectures.parameter_counts(arch)
+    counted = counts.total
     if arch.published_parameters is None:
         return f"{params:,} parameters (shrunk copy; hand count {counted:,})", params == counted
     if arch.published_exact:
         ok = params == arch.published_parameters == counted
         return f"{params:,} parameters; published {arch.published_parameters:,} ({'equal' if ok else 'DIFFERENT'})", ok
-    ok = params == counted and abs(params - arch.published_parameters) <= PUBLISHED_ROUNDED * arch.published_parameters
+    checkpoint = params + counts.mtp  # the hub counts the checkpoint's MTP head (Qwen3.5), which is not built
+    ok = params == counted and abs(checkpoint - arch.published_parameters) <= PUBLISHED_ROUNDED * arch.published_parameters
+    mtp = f" + {counts.mtp:,} of the checkpoint's MTP head, not loaded = {checkpoint:,}" if counts.mtp else ""
     return (
-        f"{params:,} parameters; published {arch.published_parameters / 1e9:.2f}B (the hub's rounded figure; "
+        f"{params:,} parameters{mtp}; published {arch.published_parameters / 1e9:.2f}B (the hub's rounded figure; "
         f"{'within' if ok else 'NOT within'} 0.5%)",
         ok,
     )

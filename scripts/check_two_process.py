@@ -12,7 +12,7 @@ figure (FSDP: each rank must hold at most 55% of it); under FSDP also the reduce
 step, counted per rank (tests/fixtures/count_reduce_scatters.py): one per FSDP unit with trainable
 parameters, with 2 micro-batches per process and step.
 
-    .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--mixture] [--machines 2]
+    .venv/bin/python scripts/check_two_process.py [--strategy ddp|fsdp] [--steps 3] [--mixture] [--machines 2] [--model DIR]
         [--keep DIR] [--set KEY=VALUE ...] [--no-resume] [--reference-cache DIR]
 
 The stopped-and-resumed run is the two-process run itself, which also saves at step ``steps - 1``: a copy of
@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "sgd"], choices=sorted(LEARNING_RATES))
     parser.add_argument("--keep", help="keep the runs in this folder (default: a temporary folder)")
+    parser.add_argument("--model", type=Path, metavar="DIR",
+                        help="train this model folder (e.g. a Qwen3.5 check_real_size.py kept) instead of an untrained embedded one")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides added to every run")
     parser.add_argument("--mixture", action="store_true", help="train grounding scenes (images) + code (text-only) mixed")
     parser.add_argument("--machines", type=int, choices=(1, 2), default=1, help="launch the two processes as two machines")
@@ -391,12 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1, 2], choices=(1, 2),
                         help="--engine vllm: rollout.vllm_tensor_parallel_size values to check")
     args = parser.parse_args(argv)
+    if args.model and not (args.model / "model.safetensors").is_file():
+        parser.error(f"--model {args.model}: no model.safetensors there (give a saved model folder)")
     from vlm_grpo_ma.model.tiny import build_untrained
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         cache = args.reference_cache
-        model_dir = (cache or work) / "untrained"
+        model_dir = args.model or (cache or work) / "untrained"
         if not (model_dir / "model.safetensors").is_file():
             build_untrained(model_dir, seed=0)
         extra = (*([MIXTURE] if args.mixture else []), *args.set)

@@ -90,6 +90,7 @@ def test_published_structure_of_each_family():
 
 def test_architecture_of_names_hub_ids_and_folders():
     assert architecture_of("Qwen/Qwen3-VL-4B-Instruct") is ARCHITECTURES["qwen3-vl-4b"]
+    assert architecture_of("Qwen/Qwen3.5-4B") is ARCHITECTURES["qwen3.5-4b"]
     assert architecture_of("tiny").family == "qwen2_5_vl"
     with pytest.raises(ValueError, match="unknown model 'Qwen/Qwen9'.*Qwen/Qwen2.5-VL-3B-Instruct"):
         architecture_of("Qwen/Qwen9")
@@ -305,16 +306,16 @@ def test_decode_cache_bytes_equal_the_cache_transformers_fills(name, tokenizer):
     assert (predicted[1] > 0) == (arch.family == "qwen3_5")
 
 
-def _saved_bytes_per_layer_kind(model, forward) -> dict[str, int]:
+def _saved_bytes_per_layer_kind(model, layers, forward) -> dict[str, int]:
     """Bytes of the distinct tensors autograd saves (parameters aside) and still holds when ``forward()`` returns,
-    per decoder layer kind, under bf16 autocast. Tensors are tracked by weak reference: one freed during the
+    per kind of the decoder ``layers`` (Qwen3.5's ``block_type``) that saves them, under bf16 autocast. Tensors are tracked by weak reference: one freed during the
     forward (a Gated DeltaNet's last state update when nothing keeps its state) is not counted, and its address,
     reused by a later tensor, does not hide that one."""
     import weakref
 
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     current, saved = ["outside"], []
-    hooks = [hook for layer in model.model.layers for hook in (
+    hooks = [hook for layer in layers for hook in (
         layer.register_forward_pre_hook(lambda module, args, kind=layer.block_type: current.append(kind) and None),
         layer.register_forward_hook(lambda module, args, output: current.pop() and None),
     )]  # fmt: skip
@@ -358,7 +359,7 @@ def test_qwen3_5_layer_bytes_equal_what_autograd_saves():
     model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text)).to(torch.bfloat16)
     for rows, tokens in ((1, 200), (4, 3)):
         ids = torch.randint(0, 1000, (rows, tokens))
-        measured = _saved_bytes_per_layer_kind(model, lambda ids=ids: model(input_ids=ids, use_cache=False))
+        measured = _saved_bytes_per_layer_kind(model, model.model.layers, lambda ids=ids: model(input_ids=ids, use_cache=False))
         linear = memory_model.layer_bytes(arch, cfg, "linear_attention", rows, tokens, tokens)
         full = rows * tokens * memory_model.layer_bytes_per_token(arch, cfg, "full_attention")  # no mask: k, v not repeated
         assert linear == pytest.approx(measured["linear_attention"] / 3, rel=0.02), (rows, tokens)
@@ -367,7 +368,7 @@ def test_qwen3_5_layer_bytes_equal_what_autograd_saves():
     ids = torch.randint(0, 1000, (rows, prefix + tokens))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cache = model(input_ids=ids[:, :prefix], use_cache=True).past_key_values
-    measured = _saved_bytes_per_layer_kind(model, lambda: model(input_ids=ids[:, prefix:], cache=cache, use_cache=True))
+    measured = _saved_bytes_per_layer_kind(model, model.model.layers, lambda: model(input_ids=ids[:, prefix:], cache=cache, use_cache=True))
     for kind, layers in (("linear_attention", 3), ("full_attention", 1)):
         predicted = memory_model.layer_bytes(arch, cfg, kind, rows, tokens, prefix + tokens, keeps_state=True)
         assert predicted == pytest.approx(measured[kind] / layers, rel=0.02), kind
@@ -484,3 +485,43 @@ def test_layer_bytes_equal_what_autograd_saves_per_layer(name, tokenizer, tmp_pa
     for lora_rank in (0, rank):
         per_layer = (measured[4, lora_rank] - measured[2, lora_rank]) / 2
         assert predicted[lora_rank] == pytest.approx(per_layer, rel=0.05), (lora_rank, predicted[lora_rank], per_layer)
+
+
+def test_qwen3_5_tree_shared_bytes_equal_what_the_training_forward_saves(tokenizer, tmp_path):
+    """The tree-shared training forward (``logprobs.shared_prefix_logprobs``: the prompt once, 2 thoughts on its
+    cache, 2 answers on each thought's) of a 4-layer Qwen3.5 copy (hidden 128, 4 query heads of 32 over 2, MLP
+    224; Gated DeltaNet 1 key and 2 value heads of 128), per kind of layer, against ``tree_shared_layer_bytes``:
+    within 5% (Gated DeltaNet 1.00, full attention 1.04 of what autograd saves). Planted and seen to fail: the
+    answers' final state update counted as kept (1.08)."""
+    from PIL import Image
+
+    from vlm_grpo_ma.model.loading import load_policy
+    from vlm_grpo_ma.model.logprobs import shared_prefix_logprobs
+    from vlm_grpo_ma.model.prompts import encode_prompt
+    from vlm_grpo_ma.task_api.streams import Sample
+
+    side, thoughts, answers, thought_tokens, answer_tokens = 224, 2, 2, 8, 4
+    shrunk = architectures.shrunk(ARCHITECTURES["qwen3.5-4b"])
+    text = dict(shrunk.text, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=224)
+    arch = dataclasses.replace(shrunk, text=text, vision=dict(shrunk.vision, out_hidden_size=128))
+    architectures.build_processor(arch, tokenizer, min_pixels=side * side, max_pixels=side * side).save_pretrained(tmp_path)
+    architectures.build_model(architectures.build_config(arch, tokenizer), dtype="bfloat16").save_pretrained(tmp_path)
+    policy = load_policy(str(tmp_path), dtype="bfloat16", attn_implementation="sdpa", min_pixels=side * side, max_pixels=side * side)
+    for p in policy.model.model.visual.parameters():
+        p.requires_grad_(False)
+    sample = Sample("grounding", "0", "Locate: the red circle", (Image.new("RGB", (side, side), (200, 30, 30)),), [0, 0, 1, 1])
+    prompt = encode_prompt(policy, sample, "Think.")
+    completions, lengths = [], []
+    for k in range(thoughts):
+        thought = [100 + 10 * k + i for i in range(thought_tokens)]
+        for m in range(answers):
+            completions.append(thought + [300 + m + j for j in range(answer_tokens)])
+            lengths.append(thought_tokens)
+    measured = _saved_bytes_per_layer_kind(policy.model, policy.model.model.language_model.layers, lambda: shared_prefix_logprobs(
+        policy, [prompt], [0] * len(completions), completions, lengths, temperature=1.0))  # fmt: skip
+    cfg = load_config(None, ["model.dtype=bfloat16", "train.mixed_precision=bf16"])
+    for kind, layers in (("linear_attention", 3), ("full_attention", 1)):
+        predicted = memory_model.tree_shared_layer_bytes(arch, cfg, prompts=1, prompt_tokens=len(prompt.input_ids), thoughts=thoughts,
+                                                          thought_tokens=thought_tokens, rows=thoughts * answers, answer_tokens=answer_tokens,
+                                                          layer_type=kind)  # fmt: skip
+        assert predicted == pytest.approx(measured[kind] / layers, rel=0.05), kind

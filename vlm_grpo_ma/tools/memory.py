@@ -34,6 +34,9 @@ def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_g
     ]
     for part in PARTS:
         lines.append(f"  {part:<12} {getattr(e, part):>16,}  ({_gb(getattr(e, part))} GB)")
+    if e.recurrent_states:
+        lines.append(f"  {'of which':<12} {e.recurrent_states:>16,}  ({_gb(e.recurrent_states)} GB: the Gated DeltaNet layers' conv and"
+                     " recurrent states, fixed per row)")  # fmt: skip
     if e.fsdp_rollout_gather:
         lines.append(f"  {'fsdp gather':<12} {e.fsdp_rollout_gather:>16,}  ({_gb(e.fsdp_rollout_gather)} GB, the rollout's gathered weights)")
     if e.engine:
