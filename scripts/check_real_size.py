@@ -55,11 +55,20 @@ TOLERANCE = 0.20  # the memory model against the measured peak RSS
 PUBLISHED_ROUNDED = 0.005  # a published count rounded to 10M parameters: compared to 0.5%
 
 
-def overrides(model_dir: Path, steps: int, checkpointing: bool = False) -> list[str]:
+def overrides(model_dir: Path, steps: int, checkpointing: bool = False, hybrid: bool = False) -> list[str]:
     """The preset's settings, made to fit a CPU: the token limits, K x M, the batch and the engine (hf) are the
-    only changes, and gradient checkpointing unless ``checkpointing``."""
+    only changes, and gradient checkpointing unless ``checkpointing``. A ``hybrid`` model (Qwen3.5) also gets
+    adapters on its linear-attention projections, as a user training it would name them."""
     pixels = IMAGE_SIDE * IMAGE_SIDE
-    return [
+    if hybrid:
+        from vlm_grpo_ma.model.lora import LINEAR_ATTENTION_TARGETS
+        from vlm_grpo_ma.run.config import load_config
+
+        targets = [*load_config(str(PRESET)).model.lora_target_modules, *LINEAR_ATTENTION_TARGETS]
+        extra = [f"model.lora_target_modules=[{','.join(targets)}]"]
+    else:
+        extra = []
+    return [*extra,
         f"model.name_or_path={model_dir}",
         "data.task=grounding",
         "data.source=null",  # the embedded scenes
@@ -135,11 +144,16 @@ def published_line(arch: architectures.Architecture, params: int) -> tuple[str, 
     )
 
 
+def is_hybrid(arch: architectures.Architecture) -> bool:
+    """Linear-attention layers (Qwen3.5)."""
+    return architectures.LINEAR_ATTENTION in architectures.layer_types(arch.text)
+
+
 def predicted_bytes(arch: architectures.Architecture, model_dir: Path, checkpointing: bool) -> int:
     from vlm_grpo_ma.run.config import load_config
     from vlm_grpo_ma.run.memory_model import estimate
 
-    cfg = load_config(str(PRESET), overrides(model_dir, 2, checkpointing))
+    cfg = load_config(str(PRESET), overrides(model_dir, 2, checkpointing, is_hybrid(arch)))
     return estimate(arch, cfg, processes=1, strategy="ddp").peak
 
 
@@ -172,8 +186,8 @@ def check_model(name: str, arch: architectures.Architecture, work: Path, env: di
     train = [sys.executable, "-m", "vlm_grpo_ma.train", "--config", str(PRESET), "--output-dir", str(run_dir)]
     # the first run logs steps 1 and 2 and saves; the resumed one logs step 3 only (a restart would log 1-3)
     runs = [
-        ("2 steps + checkpoint", train + overrides(model_dir, 2, checkpointing), [1, 2]),
-        ("resume, step 3", train + ["--resume"] + overrides(model_dir, 3, checkpointing), [3]),
+        ("2 steps + checkpoint", train + overrides(model_dir, 2, checkpointing, is_hybrid(arch)), [1, 2]),
+        ("resume, step 3", train + ["--resume"] + overrides(model_dir, 3, checkpointing, is_hybrid(arch)), [3]),
     ]
     for title, command, expected_steps in runs:
         logged_before = len(step_figures(run_dir))

@@ -82,7 +82,7 @@ def test_fsdp_preset_wraps_qwen_layers_full_shard_bf16():
         plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2
     assert plugin.reshard_after_forward is True  # FSDP2's full shard
-    assert plugin.transformer_cls_names_to_wrap == ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
+    assert not plugin.transformer_cls_names_to_wrap  # the model's own _no_split_modules, whatever the family
     assert plugin.state_dict_type.name == "FULL_STATE_DICT"
     assert plugin.cpu_ram_efficient_loading is False
 
@@ -90,7 +90,7 @@ def test_fsdp_preset_wraps_qwen_layers_full_shard_bf16():
 @pytest.mark.parametrize("name", sorted(ACCELERATE_EXPECTED))
 def test_no_launch_preset_is_refused_by_the_trainer(name, monkeypatch):
     """What `accelerate launch --config_file FILE` exports is what the trainer reads at start
-    (sharding.launch_settings): every preset runs, the FSDP ones with the Qwen2.5-VL layers as units."""
+    (sharding.launch_settings): every preset runs, the FSDP ones with the model's own layer classes as units."""
     from accelerate.utils import prepare_multi_gpu_env
 
     from vlm_grpo_ma.run import sharding
@@ -101,16 +101,21 @@ def test_no_launch_preset_is_refused_by_the_trainer(name, monkeypatch):
     with mock.patch.dict(os.environ, prepare_multi_gpu_env(args)):
         settings = sharding.launch_settings()
     if ACCELERATE_EXPECTED[name][0] == "FSDP":
-        assert settings == sharding.FSDPSettings(("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"), reshard_after_forward=True)
+        assert settings == sharding.FSDPSettings((), reshard_after_forward=True)
     else:
         assert settings is None
 
 
-def test_fsdp_wrap_classes_exist_in_transformers():
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+def test_fsdp_units_are_each_familys_decoder_layers_and_vision_blocks():
+    """With no class named in the launch config, each family's own _no_split_modules are the FSDP units."""
+    import transformers
 
-    for name in ("Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"):
-        assert hasattr(modeling_qwen2_5_vl, name)
+    for model_class, units in [
+        ("Qwen2_5_VLForConditionalGeneration", {"Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"}),
+        ("Qwen3VLForConditionalGeneration", {"Qwen3VLTextDecoderLayer", "Qwen3VLVisionBlock"}),
+        ("Qwen3_5ForConditionalGeneration", {"Qwen3_5DecoderLayer", "Qwen3_5VisionBlock"}),
+    ]:
+        assert set(getattr(transformers, model_class)._no_split_modules) == units
 
 
 def test_multi_process_launchers():
