@@ -266,3 +266,25 @@ def test_lora_on_qwen3_5_adapts_the_linear_attention_layers_and_shares_prefixes(
     for got, want in zip(torch.autograd.grad((shared * weights).sum(), adapters), torch.autograd.grad((full * weights).sum(), adapters), strict=True):
         assert float(want.abs().max()) > 0
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_qwen3_5_moe_branches_and_shares_the_thought_like_the_dense_model(tmp_path):
+    """The MoE class takes the same path: its Gated DeltaNet layers get the masked forward, and both the branched
+    sampling log-probs and the shared-prefix training forward equal a re-encode."""
+    from tiny_families import save_tiny
+
+    policy = load_policy(str(save_tiny("qwen3_5_moe", tmp_path)), attn_implementation="sdpa")
+    policy.model.eval()
+    assert type(policy.model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    assert sum(type(m).__name__.startswith("Masked") for m in policy.model.modules()) == 3
+    prompts = [encode_prompt(policy, s, "Think.") for s in _samples(3)]
+    tree = sample_tree(policy, prompts, num_thoughts=2, num_answers=2, settings=_settings(seed=2))
+    worst, compared = branched_vs_reencoded(policy, prompts, tree, 2, 2)
+    assert compared > 0 and worst <= 1e-5
+    row_prompt = [a // 4 for a in range(len(tree.answer_ids))]
+    completions = [tree.thought_ids[a // 2] + answer for a, answer in enumerate(tree.answer_ids)]
+    thought_lengths = [len(tree.thought_ids[a // 2]) for a in range(len(tree.answer_ids))]
+    with torch.no_grad():
+        shared = shared_prefix_logprobs(policy, prompts, row_prompt, completions, thought_lengths, temperature=1.0)
+        full = sequence_logprobs(policy, prompts, row_prompt, completions, temperature=1.0)
+    assert float((shared - full).abs().max()) <= 1e-5

@@ -131,7 +131,24 @@ def _build_qwen3_5(tokenizer):
     return Qwen3_5ForConditionalGeneration(config), processor
 
 
-BUILDERS = {"qwen2_vl": _build_qwen2_vl, "qwen3_vl": _build_qwen3_vl, "qwen3_5": _build_qwen3_5}
+def _build_qwen3_5_moe(tokenizer):
+    """Qwen3.5's mixture of experts: the dense tiny model's layers with 4 experts (2 per token) and a shared
+    expert in place of each MLP."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    dense, processor = _build_qwen3_5(tokenizer)
+    text = {k: v for k, v in dense.config.text_config.to_dict().items() if k not in ("intermediate_size", "model_type", "architectures", "dtype")}
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    config = Qwen3_5MoeConfig(
+        text_config=text,
+        vision_config=dense.config.vision_config.to_dict(),
+        tie_word_embeddings=True,
+        **_token_ids(tokenizer),
+    )
+    return Qwen3_5MoeForConditionalGeneration(config), processor
+
+
+BUILDERS = {"qwen2_vl": _build_qwen2_vl, "qwen3_vl": _build_qwen3_vl, "qwen3_5": _build_qwen3_5, "qwen3_5_moe": _build_qwen3_5_moe}
 
 
 def save_tiny(family: str, path: Path, seed: int = 0) -> Path:

@@ -173,7 +173,8 @@ def load_policy(
     max_pixels: int | None = None,
     device: torch.device | str = "cpu",
 ) -> Policy:
-    """Load a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model (hub id or local path; ``tiny`` = the embedded one).
+    """Load a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 (dense or MoE) model (hub id or local path; ``tiny`` = the
+    embedded one). On Qwen3.5 the Gated DeltaNet layers get ``linear_attention.install``'s forward.
 
     A folder with ``adapter_config.json`` (a LoRA checkpoint) loads the base model it names in
     ``base_model_name_or_path``, then the adapter, trainable (resume continues training it): ``policy.model``
