@@ -213,3 +213,69 @@ def test_a_run_whose_prompts_hold_two_images_samples_them_with_vllm(tmp_path):
     train_module.train(cfg)
     (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert record["rollout/logprob_gap_max"] < 1e-4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# vLLM engine on a hybrid model (Qwen3.5: Gated DeltaNet layers beside attention)
+
+# vLLM's bf16 tree against the trainer's bf16 forward of the same tokens. It is bf16 rounding itself and grows with
+# the weights: on this test's tree (the tiny Qwen3.5 + N(0, 0.05) noise, 8 seeds, 1,580 tokens) max 2.4e-2, mean
+# 4.8e-3, where the bf16 trainer is as far from the fp32 forward of the same weights (max 2.4e-2, mean 3.9e-3); on the
+# untouched random weights (docs/VLLM.md "Qwen3.5", 10,495 tokens) max 7.8e-3, mean 6.3e-4.
+BF16_GAP_MAX, BF16_GAP_MEAN = 5e-2, 1e-2
+
+
+@pytest.mark.vllm
+def test_vllm_samples_a_qwen3_5_tree_with_the_trainers_logprobs(tmp_path):
+    """On a tiny random Qwen3.5 (bf16: vLLM's CPU Gated DeltaNet kernel takes nothing else) the engine, given
+    weights that differ from its folder's, samples the K x M tree with the trainer's log-probs within the bf16 gap,
+    and its requests resume from cached states (prefix-cache hits at 32-token boundaries: with vLLM's default
+    whole-block hits the tiny model's 1056-token blocks give none). A float32 engine is refused first.
+    Planted: the push skipping the Gated DeltaNet weights, the answers asked without the thought's last token
+    (both: the gap), ``prefix_match_unit`` left out (hit rate 0)."""
+    _needs_vllm()
+    from vlm_grpo_ma.engines.vllm import VLLMEngine
+    from vlm_grpo_ma.model.tiny import build_tiny_qwen3_5
+
+    folder = str(build_tiny_qwen3_5(tmp_path / "tiny-qwen3.5"))
+    with pytest.raises(ValueError, match=r"Gated DeltaNet layers .* bfloat16 only .* set model.dtype=bfloat16"):
+        VLLMEngine(folder, dtype="float32", seed=0)
+    policy = load_policy(folder, dtype="bfloat16")
+    policy.model.eval()
+    with torch.no_grad():  # the engine must take these, every layer kind, from the push
+        generator = torch.Generator().manual_seed(0)
+        for parameter in policy.model.parameters():
+            parameter.add_((torch.randn(parameter.shape, generator=generator) * 0.05).to(parameter.dtype))
+    engine = VLLMEngine(folder, dtype="bfloat16", seed=0)
+    engine.push_weights(policy)
+    samples = _samples(3)
+    prompts = [encode_prompt(policy, s, "Think.") for s in samples]
+    engine.step_metrics()
+    num_thoughts, num_answers = 2, 3
+    tree = engine.sample_tree(policy, samples, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=_settings(1))
+    hit_rate = engine.step_metrics()["rollout/prefix_cache_hit_rate"]
+    assert len(tree.thought_ids) == 3 * num_thoughts and len(tree.answer_ids) == 3 * num_thoughts * num_answers
+    rows = range(len(tree.answer_ids))
+    completions = [tree.thought_ids[a // num_answers] + tree.answer_ids[a] for a in rows]
+    with torch.no_grad():
+        trainer = sequence_logprobs(policy, prompts, [a // (num_thoughts * num_answers) for a in rows], completions, temperature=1.0)
+    gaps = []
+    for a in rows:
+        engine_logprobs = torch.tensor(tree.thought_logprobs[a // num_answers] + tree.answer_logprobs[a])
+        sampled = ~torch.tensor(tree.thought_forced[a // num_answers] + [False] * len(tree.answer_ids[a]))
+        gaps.append((trainer[a, : len(engine_logprobs)].float() - engine_logprobs).abs()[sampled])
+    gaps = torch.cat(gaps)
+    assert gaps.max() < BF16_GAP_MAX and gaps.mean() < BF16_GAP_MEAN, (float(gaps.max()), float(gaps.mean()))
+    assert hit_rate > 0.3, hit_rate  # 0.57 measured (hits land on 32-token boundaries of ~60-token prompts); 0 with whole blocks
+
+
+def test_a_qwen3_5_run_the_cpu_vllm_build_cannot_sample_is_refused_before_the_model_loads(tiny_qwen3_5_dir):
+    """vLLM's CPU kernel for Gated DeltaNet layers takes bfloat16 only: a float32 Qwen3.5 run with the vLLM engine
+    is a config error at start (naming model.dtype), a bf16 one passes; other models are not asked."""
+    _needs_vllm()
+    if torch.cuda.is_available():
+        pytest.skip("the limit is the CPU build's")
+    with pytest.raises(ConfigError, match=r"Gated DeltaNet .* set model\.dtype=bfloat16"):
+        check_engine(load_config(None, [f"model.name_or_path={tiny_qwen3_5_dir}", "rollout.engine=vllm"]), 1)
+    check_engine(load_config(None, [f"model.name_or_path={tiny_qwen3_5_dir}", "rollout.engine=vllm", "model.dtype=bfloat16"]), 1)
+    check_engine(load_config(None, ["rollout.engine=vllm"]), 1)  # the embedded Qwen2.5-VL in float32

@@ -373,7 +373,9 @@ def test_gpu_check_cpu_self_check_prints_every_section(tmp_path):
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:  # the engines section ran: both engines' trees timed
-        assert re.search(r"model\s+\d+\.\d+M \|\s+[\d.]+\s+\d+\s+-\s+\|\s+[\d.]+\s+\d+\s+[\d.]+ \|", out), out[-2000:]
+        # per engine: s/tree, tokens, hit rate (hf: -), prompt tokens prefilled, log-prob gap max and mean
+        number = r"[\d.]+(?:e[+-]\d+)?"
+        assert re.search(rf"model\s+\d+\.\d+M \|\s+[\d.]+\s+\d+\s+-\s+\d+\s+{number}\s+{number} \|\s+[\d.]+\s+\d+\s+[\d.]+\s+\d+\s+{number}\s+{number} \|", out), out[-2000:]
         # and a T4A4 run sampled with vLLM, exiting cleanly, its hit rate and gap printed
         assert re.search(r"1 process: exit code 0, traceback no, 2 steps; .* hit rate 0\.\d+, log-prob gap max", out), out[-2000:]
     figures = json.loads((tmp_path / "s.json").read_text())

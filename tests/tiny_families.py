@@ -107,28 +107,10 @@ def _build_qwen3_vl(tokenizer):
 
 
 def _build_qwen3_5(tokenizer):
-    """Qwen3.5: 3 Gated DeltaNet layers and 1 full-attention layer (the published 3:1 pattern); the rotary part
-    of head_dim 32 at partial_rotary_factor 0.25 is 8, so mrope_section sums to 4."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    """Qwen3.5: the package's tiny random one (``vlm_grpo_ma.model.tiny.tiny_qwen3_5``), fp32."""
+    from vlm_grpo_ma.model.tiny import tiny_qwen3_5
 
-    config = Qwen3_5Config(
-        text_config=_text_config(
-            tokenizer, num_hidden_layers=4, head_dim=HEAD_DIM, linear_num_key_heads=1, linear_num_value_heads=2,
-            linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-            rope_parameters={
-                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True,
-                "partial_rotary_factor": 0.25,
-            },
-        ),
-        vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=TEXT_HIDDEN,
-            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
-        ),
-        tie_word_embeddings=True,
-        **_token_ids(tokenizer),
-    )  # fmt: skip
-    _, processor = _build_qwen3_vl(tokenizer)
-    return Qwen3_5ForConditionalGeneration(config), processor
+    return tiny_qwen3_5(tokenizer)
 
 
 def _build_qwen3_5_moe(tokenizer):

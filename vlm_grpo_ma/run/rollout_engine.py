@@ -3,23 +3,34 @@ where it cannot run here, and built from the run's settings."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from vlm_grpo_ma.engines import ENGINES
+from vlm_grpo_ma.model.loading import resolve_model_path
 from vlm_grpo_ma.run.config import Config, ConfigError
 
 
 def check_engine(cfg: Config, num_processes: int) -> None:
     """Refuse, before anything loads, an engine that cannot run here: vllm without vLLM installed (naming the
-    command that installs it), installed but not importing, or a tensor-parallel size that does not divide
-    the launch's processes."""
+    command that installs it), installed but not importing, a tensor-parallel size that does not divide
+    the launch's processes, or a Qwen3.5 folder in another dtype than bfloat16 on a CPU."""
     if cfg.rollout.engine not in ENGINES:
         raise ConfigError(f"rollout.engine={cfg.rollout.engine!r} is not valid; choose one of: {', '.join(ENGINES)}")
     if cfg.rollout.engine == "vllm":
-        from vlm_grpo_ma.engines.vllm import check_vllm
+        from vlm_grpo_ma.engines.vllm import check_hybrid_dtype, check_vllm
 
         try:
             check_vllm(num_processes, tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size, sleep=cfg.rollout.vllm_sleep)
+            folder = Path(resolve_model_path(cfg.model.name_or_path))
+            if (folder / "config.json").is_file():  # a local model (a hub id is read when the engine starts)
+                check_hybrid_dtype(str(folder), engine_dtype(cfg))
         except ValueError as error:
             raise ConfigError(str(error)) from None
+
+
+def engine_dtype(cfg: Config) -> str:
+    """The vLLM engine's weights: bf16 under bf16 autocast, else the model's dtype."""
+    return "bfloat16" if cfg.train.mixed_precision == "bf16" else cfg.model.dtype
 
 
 def make_engine(cfg: Config, policy, *, max_images: int = 1, num_processes: int = 1, process_index: int = 0):
@@ -36,7 +47,7 @@ def make_engine(cfg: Config, policy, *, max_images: int = 1, num_processes: int 
 
     engine = VLLMEngine(
         policy.model.name_or_path,
-        dtype="bfloat16" if cfg.train.mixed_precision == "bf16" else cfg.model.dtype,
+        dtype=engine_dtype(cfg),
         seed=cfg.train.seed,
         gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
         kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
