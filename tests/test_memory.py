@@ -47,26 +47,35 @@ def test_hand_count_equals_the_built_model_and_the_published_size(name, tokenize
     assert counts.total == sum(p.numel() for _, p in named)
     assert counts.vision == sum(p.numel() for n, p in named if ".visual." in f".{n}")
     assert counts.text_tensors + counts.vision_tensors == len(named)
-    # the hub's figures: Qwen2.5-VL-3B counted exactly before; the others as the hub rounds them (0.01B). Qwen3.5's
-    # include the checkpoint's multi-token-prediction head, which transformers does not build (2.21B / 4.54B loaded)
+    # the hub's figures: Qwen2.5-VL-3B and Qwen3.5-35B-A3B (the safetensors total) exactly; the others as the hub
+    # rounds them (0.01B). Qwen3.5's include the checkpoint's multi-token-prediction head, which transformers does
+    # not build (2.21B / 4.54B / 35.11B loaded; the MoE's head is a full-attention layer with an MoE block)
     published = {"qwen2-vl-2b": 2.21e9, "qwen2.5-vl-3b": 3_754_622_976, "qwen2.5-vl-7b": 8.29e9, "qwen3-vl-2b": 2.13e9, "qwen3-vl-4b": 4.44e9,
-                 "qwen3.5-2b": 2.27e9, "qwen3.5-4b": 4.66e9}  # fmt: skip
+                 "qwen3.5-2b": 2.27e9, "qwen3.5-4b": 4.66e9, "qwen3.5-35b-a3b": 35_951_822_704}  # fmt: skip
     assert abs(counts.checkpoint_total - published[name]) <= 0.005e9
-    assert (counts.mtp > 0) == (arch.family == "qwen3_5")
+    if arch.published_exact:
+        assert counts.checkpoint_total == published[name] == arch.published_parameters
+    assert (counts.mtp > 0) == (arch.family in architectures.QWEN3_5_FAMILIES)
+    if arch.family == "qwen3_5_moe":  # the language model alone: 34,660,610,688 (a third-party count of the text decoder)
+        assert counts.text == 34_660_610_688 and counts.mtp == 844_640_768
 
 
-@pytest.mark.parametrize("name", ["qwen2-vl-2b", "qwen2.5-vl-3b", "qwen3-vl-4b", "qwen3.5-4b"])
+@pytest.mark.parametrize("name", ["qwen2-vl-2b", "qwen2.5-vl-3b", "qwen3-vl-4b", "qwen3.5-4b", "qwen3.5-35b-a3b"])
 def test_shrunk_copy_keeps_the_family_structure(name, tokenizer):
     arch = architectures.shrunk(ARCHITECTURES[name])
     model = architectures.build_model(architectures.build_config(arch, tokenizer), dtype="float32")
     assert parameter_counts(arch).total == architectures.count_parameters(model)
     assert model.config.text_config.vocab_size == ARCHITECTURES[name].text["vocab_size"]
     assert model.config.model_type == ARCHITECTURES[name].family
-    if arch.family == "qwen3_5":  # the hybrid pattern, within vLLM-CPU's limits (FIELD-NOTES: head_dim 16 and linear heads of 32 refused)
+    if arch.family in architectures.QWEN3_5_FAMILIES:  # the hybrid pattern, within vLLM-CPU's limits (FIELD-NOTES: head_dim 16 and linear heads of 32 refused)
         text = model.config.text_config
         assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
         assert (text.head_dim, text.linear_key_head_dim, text.linear_value_head_dim) == (32, 128, 128)
         assert sum(text.rope_parameters["mrope_section"]) == int(text.head_dim * text.rope_parameters["partial_rotary_factor"]) // 2
+    if arch.family == "qwen3_5_moe":  # a few experts as 3-D tensors, a shared expert and its gate in every layer
+        mlp = model.model.language_model.layers[0].mlp
+        assert tuple(mlp.experts.gate_up_proj.shape) == (4, 2 * 48, 64) and tuple(mlp.experts.down_proj.shape) == (4, 64, 48)
+        assert (mlp.gate.top_k, mlp.shared_expert.gate_proj.out_features, mlp.shared_expert_gate.out_features) == (2, 32, 1)
 
 
 def test_published_structure_of_each_family():
@@ -86,6 +95,20 @@ def test_published_structure_of_each_family():
         rope = text["rope_parameters"]  # M-RoPE on the rotary quarter of head_dim 256: 64, sections sum to 32
         assert sum(rope["mrope_section"]) == int(text["head_dim"] * rope["partial_rotary_factor"]) // 2 == 32
         assert text["vocab_size"] == 248320 and text["tie_word_embeddings"] is True
+
+
+def test_published_structure_of_the_moe():
+    text = ARCHITECTURES["qwen3.5-35b-a3b"].text
+    kinds = architectures.layer_types(text)
+    assert (kinds.count("linear_attention"), kinds.count("full_attention")) == (30, 10) and kinds[3::4] == ["full_attention"] * 10
+    assert (text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (2048, 16, 2, 256)
+    assert (text["linear_num_key_heads"], text["linear_num_value_heads"]) == (16, 32) and "intermediate_size" not in text
+    assert (text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"], text["shared_expert_intermediate_size"]) == (256, 8, 512, 512)
+    assert text["vocab_size"] == 248320 and text["tie_word_embeddings"] is False
+    # a layer's MoE block: router 256 x 2048, experts 256 x 3 x 512 x 2048, shared expert 3 x 2048 x 512 and its gate
+    assert architectures.moe_counts(text) == (256 * 2048 + 256 * 3 * 512 * 2048, 3)
+    # LoRA on gate_proj adapts the shared expert's (2048 -> 512) in all 40 layers; the routed experts are not Linear
+    assert lora_counts(ARCHITECTURES["qwen3.5-35b-a3b"], 8, ["gate_proj", "shared_expert_gate"]) == (40 * 8 * ((2048 + 512) + (2048 + 1)), 40 * 4)
 
 
 def test_architecture_of_names_hub_ids_and_folders():
@@ -372,6 +395,62 @@ def test_qwen3_5_layer_bytes_equal_what_autograd_saves():
     for kind, layers in (("linear_attention", 3), ("full_attention", 1)):
         predicted = memory_model.layer_bytes(arch, cfg, kind, rows, tokens, prefix + tokens, keeps_state=True)
         assert predicted == pytest.approx(measured[kind] / layers, rel=0.02), kind
+
+
+def _moe(arch: Architecture, **text) -> Architecture:
+    return dataclasses.replace(arch, text=dict(arch.text, **text))
+
+
+def test_moe_estimate_counts_its_parameters_and_the_experts_each_token_runs_through():
+    """Qwen3.5-MoE: weights, gradients and AdamW state by the parameter count (every expert); activations by the
+    experts a token runs through (num_experts_per_tok), not by all of them. Planted and seen to fail: every expert
+    counted per token (the activations no longer change with num_experts_per_tok)."""
+    arch = architectures.shrunk(ARCHITECTURES["qwen3.5-35b-a3b"])  # 4 experts, 2 per token, 4 layers
+    counts = parameter_counts(arch)
+    e = memory_model.estimate(arch, _small_cfg("model.dtype=bfloat16", "model.freeze_vision=false"), 1, "ddp")
+    assert e.weights == counts.total * 2 and e.gradients == counts.total * 2
+    assert e.optimizer == 2 * counts.total * 2 + 4 * (counts.text_tensors + counts.vision_tensors)
+    # the full-size model: 35,107,181,936 loaded parameters (the MTP head is not), 2 bytes each in bf16
+    full = memory_model.estimate(ARCHITECTURES["qwen3.5-35b-a3b"], load_config(None, ["model.dtype=bfloat16", "model.lora_rank=16"]), 1, "ddp")
+    assert full.weights - full.trained_elements * 4 == 35_107_181_936 * 2
+    # per token, each routed expert keeps 4 x moe_intermediate (48) + 2 x hidden (64) in fp32 and two int64 indices
+    per_expert = (4 * 48 + 2 * 64) * 4 + 16
+    for kind in ("linear_attention", "full_attention"):
+        one, three = (memory_model.layer_bytes_per_token(_moe(arch, num_experts_per_tok=k), _small_cfg(), kind) for k in (1, 3))
+        assert three - one == 2 * per_expert, kind
+    # checkpointed: the recomputed layer's 4 rows x 71 tokens (64 prompt, 5 thought, 2 answer); tree-shared: 4
+    # layers x (64 + 2 x 5 + 4 x 1) tokens encoded
+    for checkpointing, tokens in (("true", 4 * 71), ("false", 4 * (64 + 2 * 5 + 4))):
+        cfg = _small_cfg(f"model.gradient_checkpointing={checkpointing}")
+        one, three = (memory_model.estimate(_moe(arch, num_experts_per_tok=k), cfg, 1, "ddp").activations for k in (1, 3))
+        assert three - one == tokens * 2 * per_expert, checkpointing
+    # more experts in all, the same number per token: only the router's fp32 probabilities grow (4 bytes an expert)
+    few, many = (memory_model.layer_bytes_per_token(_moe(arch, num_experts=n), _small_cfg(), "full_attention") for n in (4, 64))
+    assert many - few == 60 * 4
+
+
+def test_moe_block_bytes_equal_what_autograd_saves():
+    """``moe_bytes_per_token`` (and the block's input) against what autograd saves in transformers' eager expert
+    loop, on a text model of 8 experts with distinct widths (hidden 192, experts 80, shared expert 112), 2 and 4
+    experts per token, 4 rows of 50 tokens, bf16. Within 2% (the formula lands at 0.99: the routing weights and
+    top-k indices are left out)."""
+    import transformers
+
+    arch = architectures.shrunk(ARCHITECTURES["qwen3.5-35b-a3b"])
+    cfg = load_config(None, ["model.dtype=bfloat16", "train.mixed_precision=bf16"])
+    for top_k in (2, 4):
+        text = dict(arch.text, vocab_size=1000, hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    num_experts=8, num_experts_per_tok=top_k, moe_intermediate_size=80, shared_expert_intermediate_size=112,
+                    rope_parameters=dict(arch.text["rope_parameters"], mrope_section=[4, 2, 2]))  # fmt: skip
+        torch.manual_seed(0)
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text)).to(torch.bfloat16)
+        blocks = [layer.mlp for layer in model.model.layers]
+        for block in blocks:
+            block.block_type = "moe"
+        ids = torch.randint(0, 1000, (4, 50))
+        measured = _saved_bytes_per_layer_kind(model, blocks, lambda ids=ids, model=model: model(input_ids=ids, use_cache=False))["moe"]
+        predicted = memory_model.moe_bytes_per_token(dataclasses.replace(arch, text=text), cfg) + 192 * 2
+        assert predicted == pytest.approx(measured / (len(blocks) * 4 * 50), rel=0.02), top_k
 
 
 def test_bad_arguments_name_the_value_and_the_choices():

