@@ -43,6 +43,10 @@ def test_engine_choice_is_validated():
         load_config(None, ["algorithm.rollout_correction=is"])
     with pytest.raises(ConfigError, match=r"algorithm.rollout_correction_cap=0.5 must be >= 1"):
         load_config(None, ["algorithm.rollout_correction=tis", "algorithm.rollout_correction_cap=0.5"])
+    # vLLM's CPU build reads its KV cache size with int(): a fraction would stop the engine at its start
+    with pytest.raises(ConfigError, match=r"rollout.vllm_kv_cache_gib=0.25 must be a whole number of GiB"):
+        load_config(None, ["rollout.engine=vllm", "rollout.vllm_kv_cache_gib=0.25"])
+    load_config(None, ["rollout.engine=vllm", "rollout.vllm_kv_cache_gib=2"])
 
 
 def test_vllm_engine_refused_without_vllm_or_with_a_tensor_parallel_size_off_the_launch(monkeypatch):

@@ -63,7 +63,7 @@ class RolloutConfig:
     # default) or vllm (an in-process vLLM engine in every process of a launch: `scripts/setup.sh --vllm`; docs/VLLM.md).
     engine: str = "hf"
     vllm_gpu_memory_utilization: float = 0.35  # the share of GPU memory the engine takes (weights + KV cache)
-    vllm_kv_cache_gib: float = 1.0  # CPU build only: its KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)
+    vllm_kv_cache_gib: float = 1.0  # CPU build only: its KV cache size, whole GiB (VLLM_CPU_KVCACHE_SPACE)
     vllm_tensor_parallel_size: int = 1  # processes per engine: groups of this many consecutive processes share one
     vllm_sleep: bool = False  # GPU only: free the engine's memory, weights too, during the update (sleep level 2)
 
@@ -375,6 +375,9 @@ def validate(cfg: Config) -> Config:
         )
     if not cfg.rollout.vllm_gpu_memory_utilization <= 1:
         raise ConfigError(f"rollout.vllm_gpu_memory_utilization={cfg.rollout.vllm_gpu_memory_utilization!r} must be in (0, 1]")
+    if cfg.rollout.vllm_kv_cache_gib != int(cfg.rollout.vllm_kv_cache_gib):
+        # vLLM's CPU build reads VLLM_CPU_KVCACHE_SPACE with int(): 0.25 would stop the engine at its start
+        raise ConfigError(f"rollout.vllm_kv_cache_gib={cfg.rollout.vllm_kv_cache_gib!r} must be a whole number of GiB (vLLM's CPU build takes no fractions)")
     if not cfg.algorithm.rollout_correction_cap >= 1:
         raise ConfigError(
             f"algorithm.rollout_correction_cap={cfg.algorithm.rollout_correction_cap!r} must be >= 1 (the largest"
