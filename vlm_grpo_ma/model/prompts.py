@@ -46,7 +46,7 @@ OPENED_THOUGHT = "<think>"
 
 def generation_prompt(policy: Policy, sample: Sample, instruction: str) -> str:
     """The chat template's text for one sample, ending where the model starts to write. A template that opens
-    the thought itself (``<|im_start|>assistant\n<think>\n``) has that tag taken back: the tasks ask for the
+    the thought itself (``<|im_start|>assistant\\n<think>\\n``) has that tag taken back: the tasks ask for the
     whole ``<think>...</think><answer>...</answer>`` and score its format, so on every family the completion,
     tags included, is the model's."""
     text = policy.processor.apply_chat_template(
