@@ -45,12 +45,10 @@ def _config_folder(name: str, out: Path, tiny_dir: Path) -> Path:
     """config.json of a published size (model/architectures.py) beside the tiny model's processor files."""
     import shutil
 
-    from transformers import Qwen3_5Config
+    from vlm_grpo_ma.model.architectures import ARCHITECTURES, build_config
+    from vlm_grpo_ma.model.tiny import build_tokenizer
 
-    from vlm_grpo_ma.model.architectures import ARCHITECTURES
-
-    arch = ARCHITECTURES[name]
-    config = Qwen3_5Config(text_config=dict(arch.text), vision_config=dict(arch.vision), tie_word_embeddings=arch.text["tie_word_embeddings"])
+    config = build_config(ARCHITECTURES[name], build_tokenizer())  # the tiny tokenizer's ids, as the copied files
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
@@ -140,9 +138,9 @@ def measure(setting: str, model_dir: str, prompts: int, thoughts: int, answers: 
     calls = []
 
     def counted_generate(requests, params, **kwargs):
-        before, (hits, queries) = steps[0], engine._prefix_counters()
+        before, (hits, queries) = steps[0], engine.prefix_counters()
         out = generate(requests, params, **kwargs)
-        after_hits, after_queries = engine._prefix_counters()
+        after_hits, after_queries = engine.prefix_counters()
         calls.append(dict(requests=len(requests), n=params.n, max_tokens=params.max_tokens, steps=steps[0] - before,
                           hits=int(after_hits - hits), queried=int(after_queries - queries)))  # fmt: skip
         return out

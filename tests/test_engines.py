@@ -240,6 +240,7 @@ def test_vllm_samples_a_qwen3_5_tree_with_the_trainers_logprobs(tmp_path):
     _needs_vllm()
     from vlm_grpo_ma.engines.vllm import VLLMEngine
     from vlm_grpo_ma.model.tiny import build_tiny_qwen3_5
+    from vlm_grpo_ma.tools.bench_engines import logprob_gaps
 
     folder = str(build_tiny_qwen3_5(tmp_path / "tiny-qwen3.5"))
     with pytest.raises(ValueError, match=r"Gated DeltaNet layers .* bfloat16 only .* set model.dtype=bfloat16"):
@@ -259,16 +260,7 @@ def test_vllm_samples_a_qwen3_5_tree_with_the_trainers_logprobs(tmp_path):
     tree = engine.sample_tree(policy, samples, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=_settings(1))
     hit_rate = engine.step_metrics()["rollout/prefix_cache_hit_rate"]
     assert len(tree.thought_ids) == 3 * num_thoughts and len(tree.answer_ids) == 3 * num_thoughts * num_answers
-    rows = range(len(tree.answer_ids))
-    completions = [tree.thought_ids[a // num_answers] + tree.answer_ids[a] for a in rows]
-    with torch.no_grad():
-        trainer = sequence_logprobs(policy, prompts, [a // (num_thoughts * num_answers) for a in rows], completions, temperature=1.0)
-    gaps = []
-    for a in rows:
-        engine_logprobs = torch.tensor(tree.thought_logprobs[a // num_answers] + tree.answer_logprobs[a])
-        sampled = ~torch.tensor(tree.thought_forced[a // num_answers] + [False] * len(tree.answer_ids[a]))
-        gaps.append((trainer[a, : len(engine_logprobs)].float() - engine_logprobs).abs()[sampled])
-    gaps = torch.cat(gaps)
+    gaps = logprob_gaps(policy, prompts, tree, num_thoughts, num_answers)
     assert gaps.max() < BF16_GAP_MAX and gaps.mean() < BF16_GAP_MEAN, (float(gaps.max()), float(gaps.mean()))
     assert hit_rate > 0.3, hit_rate  # 0.57 measured (hits land on 32-token boundaries of ~60-token prompts); 0 with whole blocks
 

@@ -211,7 +211,7 @@ class VLLMEngine:
         # The CPU worker replaces torch.set_num_threads with a warning, which image processing then prints
         # thousands of times a step; the thread count is the engine's either way.
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.getMessage())
-        self._counted = self._prefix_counters()
+        self._counted = self.prefix_counters()
 
     # ------------------------------------------------------------------------------------------------------
 
@@ -232,6 +232,11 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache", "scheduling"])
             self.asleep = False
+        self.forget_cached()
+
+    def forget_cached(self) -> None:
+        """Drop what the engine computed from earlier weights: the encoder cache (image features) and the prefix
+        cache (KV blocks and states)."""
         self.llm.llm_engine.reset_encoder_cache()
         self.llm.reset_prefix_cache()
 
@@ -355,7 +360,7 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------------------------
 
-    def _prefix_counters(self) -> tuple[float, float]:
+    def prefix_counters(self) -> tuple[float, float]:
         """(prefix-cache hits, queried tokens) counted by the engine so far."""
         values = {metric.name: getattr(metric, "value", None) for metric in self.llm.get_metrics()}
         return float(values.get("vllm:prefix_cache_hits") or 0.0), float(values.get("vllm:prefix_cache_queries") or 0.0)
@@ -369,7 +374,7 @@ class VLLMEngine:
     def step_metrics(self) -> dict[str, float]:
         """The prefix-cache hit rate since the last call (one step): hit tokens / queried tokens; in a launch
         also under this process's name (the run averages the plain key over the processes)."""
-        hits, queries = self._prefix_counters()
+        hits, queries = self.prefix_counters()
         step_hits, step_queries = hits - self._counted[0], queries - self._counted[1]
         self._counted = (hits, queries)
         hit_rate = step_hits / step_queries if step_queries else 0.0

@@ -31,13 +31,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-LINEAR_LAYER_TYPE = "linear_attention"
+from vlm_grpo_ma.model.architectures import LINEAR_ATTENTION
 
 
 def is_hybrid(config) -> bool:
     """Whether the (text) config has linear-attention layers (Qwen3.5, dense and MoE)."""
     text = getattr(config, "text_config", config)
-    return LINEAR_LAYER_TYPE in (getattr(text, "layer_types", None) or ())
+    return LINEAR_ATTENTION in (getattr(text, "layer_types", None) or ())
 
 
 def mark_block(cache, block_mask: torch.Tensor) -> None:

@@ -49,12 +49,12 @@ def make_bench_engine(name: str, policy: Policy, seed: int):
     return engine
 
 
-def logprob_gaps(policy: Policy, prompts, rollout) -> torch.Tensor:
-    """|trainer - engine| log-prob of every sampled (not forced) token of the tree, thoughts and answers: the
+def logprob_gaps(policy: Policy, prompts, tree, num_thoughts: int, num_answers: int) -> torch.Tensor:
+    """|trainer - engine| log-prob of every sampled (not forced) token of a K x M tree, thoughts and answers: the
     trainer's forward (``sequence_logprobs``, the policy's dtype) of each answer row, thought + answer."""
-    tree, per_prompt = rollout.tree, rollout.num_thoughts * rollout.num_answers
+    per_prompt = num_thoughts * num_answers
     rows = range(len(tree.answer_ids))
-    thought_of = [a // rollout.num_answers for a in rows]
+    thought_of = [a // num_answers for a in rows]
     completions = [tree.thought_ids[thought_of[a]] + tree.answer_ids[a] for a in rows]
     with torch.no_grad():
         trainer = sequence_logprobs(policy, prompts, [a // per_prompt for a in rows], completions, temperature=1.0).float().cpu()
@@ -81,12 +81,11 @@ def bench_engines(policy: Policy, samples, prompts, engine_names: list[str], tre
                 temperature=1.0, max_thought_tokens=tree.max_thought_tokens, max_answer_tokens=tree.max_answer_tokens,
                 generators=prompt_generators(tree.seed + round_index, 0, len(prompts)),
             )  # fmt: skip
-            llm = getattr(engine, "llm", None)
-            if llm is not None:  # what a run's weight push does every step: no tree finds the last one's blocks
-                llm.reset_prefix_cache()
-                llm.llm_engine.reset_encoder_cache()
+            is_vllm = hasattr(engine, "forget_cached")
+            if is_vllm:  # what a run's weight push does every step: no tree finds the last one's blocks
+                engine.forget_cached()
             engine.step_metrics()  # counters from here on are this tree's
-            counted = engine._prefix_counters() if llm is not None else None
+            counted = engine.prefix_counters() if is_vllm else None
             started = time.perf_counter()
             with torch.no_grad():
                 rollout = engine.sample(policy, samples, prompts, num_thoughts=tree.num_thoughts,
@@ -96,13 +95,13 @@ def bench_engines(policy: Policy, samples, prompts, engine_names: list[str], tre
                 continue
             seconds[name].append(elapsed)
             tokens[name].append(sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids)))
-            if llm is not None:
-                hits, queries = (after - before for after, before in zip(engine._prefix_counters(), counted, strict=True))
+            if is_vllm:
+                hits, queries = (after - before for after, before in zip(engine.prefix_counters(), counted, strict=True))
                 prefilled[name].append(queries - hits)
             else:  # decode.sample_tree prefills each prompt once; thoughts and answers continue from its KV cache
                 prefilled[name].append(sum(len(p.input_ids) for p in prompts))
             hit_rate[name].append(engine.step_metrics().get("rollout/prefix_cache_hit_rate", float("nan")))
-            gaps[name].append(logprob_gaps(policy, prompts, rollout))
+            gaps[name].append(logprob_gaps(policy, prompts, rollout.tree, rollout.num_thoughts, rollout.num_answers))
     return {
         name: {
             "seconds_per_tree": statistics.median(seconds[name]),
