@@ -115,8 +115,9 @@ def _sample_tokens(
 def _step(policy: Policy, state: _DecodeState, tokens: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """Feed one token per row; ``real`` [N] bool marks rows whose token is a real one (else a masked pad)."""
     device = policy.device
-    state.attention_mask = torch.cat([state.attention_mask, real.long()[:, None].to(device)], dim=1)
-    mark_block(state.cache, real.long()[:, None].to(device))  # a finished row's pad leaves its linear states as they are
+    column = real.long()[:, None].to(device)  # this step's block: one token a row, real or a masked pad
+    state.attention_mask = torch.cat([state.attention_mask, column], dim=1)
+    mark_block(state.cache, column)  # a finished row's pad leaves its linear states as they are
     positions = state.next_position[None, :, None].expand(3, -1, 1)
     out = policy.model(
         input_ids=tokens[:, None].to(device),
