@@ -7,11 +7,14 @@ is checked against a full re-encode by ``sequence_logprobs`` (vision features sh
 deepstack features included), the vision tower is checked to run once, and the coordinate frame is checked.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from PIL import Image
 from reencode_check import branched_vs_reencoded
 from tiny_families import BUILDERS, _build_qwen3_5
+from video_clips import write_clip
 
 from vlm_grpo_ma.engines.decode import SamplingSettings, sample_tree
 from vlm_grpo_ma.model.loading import load_policy
@@ -56,6 +59,22 @@ def _samples(n):
     ]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clips")
+    return [write_clip(folder / "eight.mp4", frames=8, fps=4), write_clip(folder / "twelve.mp4", frames=12, fps=8)]
+
+
+def _video_samples(clips):
+    """A video alone, an image and a video, an image alone: every mix of the modalities in one batch."""
+    image_samples = _samples(3)
+    return [
+        dataclasses.replace(image_samples[0], images=(), videos=(str(clips[0]),)),
+        dataclasses.replace(image_samples[1], videos=(str(clips[1]),)),
+        image_samples[2],
+    ]
+
+
 def _settings(seed=0):
     # thought_stop "e" makes untrained-model thoughts stop at uneven lengths (a real "</think>" is rare)
     torch.manual_seed(seed)  # these settings sample from the global generator
@@ -87,11 +106,12 @@ def test_processor_expands_the_image_placeholder(family_policy):
     assert width % (patch * merge) == 0 and height % (patch * merge) == 0
 
 
-@pytest.mark.parametrize("num_prompts, num_thoughts", [(3, 2), (2, 3)])
-def test_branched_answer_logprobs_equal_full_reencode(family_policy, num_prompts, num_thoughts):
+@pytest.mark.parametrize("num_prompts, num_thoughts, media", [(3, 2, "images"), (2, 3, "images"), (3, 2, "videos")])
+def test_branched_answer_logprobs_equal_full_reencode(family_policy, clips, num_prompts, num_thoughts, media):
     family, policy = family_policy
     m = 2
-    prompts = [encode_prompt(policy, s, "Think.") for s in _samples(num_prompts)]
+    samples = _samples(num_prompts) if media == "images" else _video_samples(clips)[:num_prompts]
+    prompts = [encode_prompt(policy, s, "Think.") for s in samples]
     assert len({len(p.input_ids) for p in prompts}) == num_prompts
     tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=m, settings=_settings())
     assert len(tree.answer_ids) == num_prompts * num_thoughts * m
@@ -126,8 +146,9 @@ def test_selected_vision_rows_match_a_per_row_encode(family_policy):
     row_prompt = [2, 0, 0, 1, 2]
     with torch.no_grad():
         shared, _ = _encode_images(policy, prompts)
-        selected = _select_vision_rows(shared, [1, 1, 1], row_prompt)
+        selected = _select_vision_rows(shared, prompts, row_prompt)["image"]
         direct, _ = _encode_images(policy, [prompts[p] for p in row_prompt])
+        direct = direct["image"]
     assert len(selected.pooler_output) == len(row_prompt)
     for got, want in zip(selected.pooler_output, direct.pooler_output, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -143,13 +164,16 @@ def test_selected_vision_rows_match_a_per_row_encode(family_policy):
         assert not deepstack
 
 
-def test_sequence_logprobs_equal_the_models_own_forward(family_policy, monkeypatch):
+@pytest.mark.parametrize("media", ["images", "videos"])
+def test_sequence_logprobs_equal_the_models_own_forward(family_policy, clips, media, monkeypatch):
     """Shared vision features, our mRoPE positions and right padding give the log-probs of the model's own
-    forward (pixel_values in, positions and Qwen3-VL deepstack injection computed by transformers), row by row."""
+    forward (pixel_values and pixel_values_videos in, positions, video time positions and Qwen3-VL deepstack
+    injection computed by transformers), row by row."""
     import vlm_grpo_ma.model.logprobs as logprobs_module
 
     family, policy = family_policy
-    prompts = [encode_prompt(policy, s, "Think.") for s in _samples(3)]
+    samples = _samples(3) if media == "images" else _video_samples(clips)
+    prompts = [encode_prompt(policy, s, "Think.") for s in samples]
     words = ["the red circle is at the top", "left", "the blue square"]
     row_prompt = [2, 0, 1, 0]
     completions = [
@@ -163,12 +187,7 @@ def test_sequence_logprobs_equal_the_models_own_forward(family_policy, monkeypat
         for r, (p, completion) in enumerate(zip(row_prompt, completions, strict=True)):
             ids = torch.tensor([prompts[p].input_ids + completion])
             policy.model.model.rope_deltas = None
-            logits = policy.model(
-                input_ids=ids,
-                pixel_values=prompts[p].pixel_values,
-                image_grid_thw=prompts[p].image_grid_thw,
-                mm_token_type_ids=(ids == policy.image_token_id).int(),
-            ).logits[0]
+            logits = policy.model(input_ids=ids, **_own_vision_inputs(policy, prompts[p], ids)).logits[0]
             logprobs = logprobs_module._policy_logprobs(logits, 1.0, policy.suppressed_token_ids)
             start = len(prompts[p].input_ids) - 1
             reference = logprobs[start + torch.arange(len(completion)), torch.tensor(completion)]
@@ -180,14 +199,27 @@ def test_sequence_logprobs_equal_the_models_own_forward(family_policy, monkeypat
 
             def without_deepstack(*args):
                 selected = select(*args)
-                selected.deepstack_features = [
-                    tuple(torch.zeros_like(t) for t in level) for level in selected.deepstack_features
-                ]
+                for output in selected.values():
+                    output.deepstack_features = [
+                        tuple(torch.zeros_like(t) for t in level) for level in output.deepstack_features
+                    ]
                 return selected
 
             monkeypatch.setattr(logprobs_module, "_select_vision_rows", without_deepstack)
             dropped = sequence_logprobs(policy, prompts, row_prompt, completions, temperature=1.0)
             assert float((dropped - ours).abs().max()) > 1e-2
+
+
+def _own_vision_inputs(policy, prompt, ids) -> dict:
+    """The model's own image and video arguments for one prompt (transformers computes everything from them)."""
+    inputs = {"mm_token_type_ids": (ids == policy.image_token_id).int() + 2 * (ids == policy.video_token_id).int()}
+    if prompt.image_grid_thw.shape[0]:
+        inputs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+    if prompt.video_grid_thw.shape[0]:
+        inputs.update(pixel_values_videos=prompt.pixel_values_videos, video_grid_thw=prompt.video_grid_thw)
+        if policy.model.config.model_type == "qwen2_5_vl":
+            inputs["second_per_grid_ts"] = prompt.video_seconds_per_grid
+    return inputs
 
 
 def _restore_transformers_layers(model, monkeypatch) -> None:

@@ -26,6 +26,7 @@ from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.logprobs import _policy_logprobs
 from vlm_grpo_ma.model.prompts import (
     EncodedPrompt,
+    VisionGrids,
     _encode_images,
     _left_pad,
     _rope_positions,
@@ -215,12 +216,13 @@ def _repeat_rows(state: _DecodeState, repeats: int) -> None:
 
 
 def prefill(
-    policy: Policy, ids: torch.Tensor, mask: torch.Tensor, grid: torch.Tensor, *, capacity: int | None = None, **vision_inputs
+    policy: Policy, ids: torch.Tensor, mask: torch.Tensor, grids: VisionGrids, *, capacity: int | None = None, **vision_inputs
 ) -> _DecodeState:
     """Run left-padded prompts [N, L] through the model once, into a fresh KV cache (preallocated for
-    ``capacity`` tokens per row when given). ``vision_inputs`` are the model's image arguments:
-    ``mm_encoder_outputs`` (features already computed) or ``pixel_values`` + ``image_grid_thw``."""
-    positions = _rope_positions(policy, ids, mask, grid)
+    ``capacity`` tokens per row when given). ``grids`` are the rows' image and video grids; ``vision_inputs``
+    the model's image and video arguments: ``mm_encoder_outputs`` (features already computed) or
+    ``pixel_values`` + ``image_grid_thw``."""
+    positions = _rope_positions(policy, ids, mask, grids)
     cache = _sampling_cache(policy, capacity)
     mark_block(cache, mask)
     out = policy.model(
@@ -266,10 +268,10 @@ def sample_tree(
     settings = _generators_on(settings, device)
     ids, mask = _left_pad([p.input_ids for p in prompts], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
-    vision, grid = _encode_images(policy, prompts)
+    vision, grids = _encode_images(policy, prompts)
     # every row's longest possible sequence: prompt, thought, answer (the cache never grows by concatenation)
     capacity = ids.shape[1] + settings.max_thought_tokens + settings.max_answer_tokens
-    state = prefill(policy, ids, mask, grid, capacity=capacity, **_vision_inputs(vision))
+    state = prefill(policy, ids, mask, grids, capacity=capacity, **_vision_inputs(vision))
     _repeat_rows(state, num_thoughts)
     close_ids = policy.tokenizer.encode(settings.thought_stop, add_special_tokens=False)
     thought_ids, thought_logprobs, thought_forced, thought_truncated = _decode(
@@ -291,5 +293,5 @@ def sample_tree(
         answer_ids=answer_ids,
         answer_logprobs=answer_logprobs,
         answer_truncated=answer_truncated,
-        vision_images_encoded=int(grid.shape[0]),
+        vision_images_encoded=grids.count,
     )

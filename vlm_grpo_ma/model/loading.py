@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from vlm_grpo_ma.model import linear_attention
 from vlm_grpo_ma.task_api.coords import CoordinateFrame
+from vlm_grpo_ma.task_api.videos import VideoBudget
 
 SUPPORTED_MODEL_TYPES = {
     # model_type -> the coordinate frame that family was trained to write boxes and points in
@@ -46,6 +47,8 @@ class Policy:
     frame: CoordinateFrame
     # With LoRA: the peft wrapper of ``model`` (its LoRA layers live inside ``model``; see vlm_grpo_ma/model/lora.py)
     adapter: object | None = None
+    # How much of each video the model sees (model.video_fps, video_max_frames, video_max_pixels)
+    video_budget: VideoBudget = field(default_factory=VideoBudget)
 
     @property
     def tokenizer(self):
@@ -67,6 +70,16 @@ class Policy:
     @property
     def image_token_id(self) -> int:
         return self.model.config.image_token_id
+
+    @property
+    def video_token_id(self) -> int:
+        return self.model.config.video_token_id
+
+    @property
+    def patch_factor(self) -> int:
+        """Pixels per side of one vision token: the patch size times the merge size (28 on Qwen2/2.5-VL)."""
+        vision = self.model.config.vision_config
+        return vision.patch_size * vision.spatial_merge_size
 
     @functools.cached_property
     def suppressed_token_ids(self) -> list[int]:
@@ -172,6 +185,7 @@ def load_policy(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     device: torch.device | str = "cpu",
+    video_budget: VideoBudget | None = None,
 ) -> Policy:
     """Load a Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 (dense or MoE) model (hub id or local path; ``tiny`` = the
     embedded one). On Qwen3.5 the Gated DeltaNet layers get ``linear_attention.install``'s forward.
@@ -224,7 +238,7 @@ def load_policy(
 
         # LoRA layers are injected into `model` in place; base weights stay frozen, the adapter trains
         adapter = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
-    return Policy(model=model, processor=processor, frame=frame, adapter=adapter)
+    return Policy(model=model, processor=processor, frame=frame, adapter=adapter, video_budget=video_budget or VideoBudget())
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -15,6 +15,7 @@ from vlm_grpo_ma.model.linear_attention import mark_block
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import (
     EncodedPrompt,
+    VisionGrids,
     _encode_images,
     _right_pad,
     _rope_positions,
@@ -78,10 +79,9 @@ def sequence_logprobs(
     vision, _ = _encode_images(policy, [prompts[p] for p in used])
     # no image in this micro-batch: the tower runs anyway, where it would have run (see idle_vision_term)
     idle_vision = idle_vision_term(policy) if vision is None else None
-    images_per_prompt = [prompts[p].image_grid_thw.shape[0] for p in used]
-    row_vision = _select_vision_rows(vision, images_per_prompt, [used.index(p) for p in row_prompt])
-    grid = torch.cat([prompts[p].image_grid_thw for p in row_prompt]).to(device)
-    positions = _rope_positions(policy, ids, mask, grid)
+    row_vision = _select_vision_rows(vision, [prompts[p] for p in used], [used.index(p) for p in row_prompt])
+    grids = VisionGrids.of([prompts[p] for p in row_prompt]).to(device)
+    positions = _rope_positions(policy, ids, mask, grids)
     hidden = policy.model.model(
         input_ids=ids, attention_mask=mask, position_ids=positions, **_vision_inputs(row_vision)
     ).last_hidden_state  # [N, L, H]
@@ -160,10 +160,10 @@ def shared_prefix_logprobs(
     # fully masked rows, whose NaN-prone softmax would now sit on the backward path).
     ids, mask = _right_pad([prompts[p].input_ids for p in used], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
-    vision, grid = _encode_images(policy, [prompts[p] for p in used])
+    vision, grids = _encode_images(policy, [prompts[p] for p in used])
     # no image in this micro-batch: the tower runs anyway, where it would have run (see idle_vision_term)
     idle_vision = idle_vision_term(policy) if vision is None else None
-    positions = _rope_positions(policy, ids, mask, grid)
+    positions = _rope_positions(policy, ids, mask, grids)
     cache = new_cache(policy)
     mark_block(cache, mask)
     prompt_hidden = policy.model.model(

@@ -1,12 +1,12 @@
-"""Prompts and images: one sample through the chat template and the processor (``EncodedPrompt``), and the
-model inputs that sampling and scoring share: mRoPE positions of a padded batch, the vision tower run once
-per image, and padding."""
+"""Prompts, images and videos: one sample through the chat template and the processor (``EncodedPrompt``), and
+the model inputs that sampling and scoring share: mRoPE positions of a padded batch (video frames at their time
+positions), the vision tower run once per forward over every image and video, and padding."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from PIL import Image
@@ -15,17 +15,54 @@ from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.task_api.coords import Size
 from vlm_grpo_ma.task_api.images import ImageLoadError, decode_image
 from vlm_grpo_ma.task_api.registry import Sample
+from vlm_grpo_ma.task_api.videos import DecodedVideo, VideoLoadError, decode_video
+
+
+def _no_grid() -> torch.Tensor:
+    return torch.zeros((0, 3), dtype=torch.long)
 
 
 @dataclass
 class EncodedPrompt:
-    """One prompt, tokenised, with its images processed (still on the CPU)."""
+    """One prompt, tokenised, with its images and videos processed (still on the CPU)."""
 
     input_ids: list[int]
     pixel_values: torch.Tensor  # [num_patches, patch_dim]
     image_grid_thw: torch.Tensor  # [num_images, 3]
     input_sizes: tuple[Size, ...]  # (width, height) the model sees
     original_sizes: tuple[Size, ...]
+    pixel_values_videos: torch.Tensor = field(default_factory=lambda: torch.zeros((0, 0)))  # [num_patches, patch_dim]
+    video_grid_thw: torch.Tensor = field(default_factory=_no_grid)  # [num_videos, 3]: temporal patches, height, width
+    # Seconds between a video's temporal patches (temporal_patch_size / sampled fps): Qwen2.5-VL's time positions
+    video_seconds_per_grid: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    video_frames: tuple[int, ...] = ()  # frames the model sees, per video
+
+
+@dataclass
+class VisionGrids:
+    """The grids of a batch's images and videos, each in the order their placeholders appear, row by row, and
+    each video's seconds per temporal patch."""
+
+    image: torch.Tensor  # [num_images, 3]
+    video: torch.Tensor  # [num_videos, 3]
+    video_seconds: torch.Tensor  # [num_videos]
+
+    @classmethod
+    def of(cls, prompts: Sequence[EncodedPrompt]) -> VisionGrids:
+        """The grids of ``prompts`` (one per row, repeats allowed), in row order."""
+        return cls(
+            image=torch.cat([_no_grid(), *(p.image_grid_thw for p in prompts)]),
+            video=torch.cat([_no_grid(), *(p.video_grid_thw for p in prompts)]),
+            video_seconds=torch.cat([torch.zeros(0), *(p.video_seconds_per_grid.float() for p in prompts)]),
+        )
+
+    @property
+    def count(self) -> int:
+        """Images and videos in the batch."""
+        return self.image.shape[0] + self.video.shape[0]
+
+    def to(self, device) -> VisionGrids:
+        return VisionGrids(self.image.to(device), self.video.to(device), self.video_seconds.to(device))
 
 
 def open_image(image) -> Image.Image:
@@ -34,7 +71,7 @@ def open_image(image) -> Image.Image:
 
 
 def prompt_messages(sample: Sample, instruction: str) -> list[dict]:
-    content = [{"type": "image"} for _ in sample.images]
+    content = [{"type": "image"} for _ in sample.images] + [{"type": "video"} for _ in sample.videos]
     content.append({"type": "text", "text": f"{sample.question} {instruction}".strip()})
     return [{"role": "user", "content": content}]
 
@@ -58,36 +95,74 @@ def generation_prompt(policy: Policy, sample: Sample, instruction: str) -> str:
     return text
 
 
+def _video_inputs(policy: Policy, videos: list[DecodedVideo]) -> dict:
+    """The processor's video arguments for frames already chosen and sized (``task_api.videos``): no sampling
+    or resizing of its own, and the metadata that gives each frame its time (Qwen2.5-VL's seconds per temporal
+    patch, Qwen3-VL's timestamps in the text)."""
+    if not videos:
+        return {}
+    from transformers.video_utils import VideoMetadata
+
+    metadata = [
+        VideoMetadata(
+            total_num_frames=v.total_frames, fps=v.source_fps, frames_indices=list(v.frame_indices),
+            width=int(v.frames.shape[-1]), height=int(v.frames.shape[-2]),
+        )
+        for v in videos
+    ]  # fmt: skip
+    # videos_kwargs: these settings are the video processor's alone (a bare do_resize=False reaches the images too)
+    return {
+        "videos": [v.frames for v in videos],
+        "videos_kwargs": {"video_metadata": metadata, "do_sample_frames": False, "do_resize": False},
+    }
+
+
 def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPrompt:
     """Chat template + processor for one sample. Raises ImageLoadError for a broken or missing image, and for
-    one the processor refuses."""
+    one the processor refuses; VideoLoadError (an ImageLoadError) for such a video."""
     images = [open_image(image) for image in sample.images]
+    videos = [decode_video(video, policy.video_budget, factor=policy.patch_factor) for video in sample.videos]
     text = generation_prompt(policy, sample, instruction)
     try:
-        encoded = policy.processor(text=[text], images=images or None, return_tensors="pt")
+        encoded = policy.processor(
+            text=[text], images=images or None, return_tensors="pt", **_video_inputs(policy, videos)
+        )
     except Exception as error:
-        if not images:
+        if not images and not videos:
             raise
         # The processor has limits of its own that PIL does not know (Qwen's: an aspect ratio under 200, so a
         # 2000x8 image raises ValueError), and what it raises differs between families and versions: any
-        # error on a prompt with images skips that sample, as an unreadable image does, rather than the run.
+        # error on a prompt with images or videos skips that sample, as an unreadable image does, rather than
+        # the run.
         sizes = ", ".join(f"{width}x{height}" for width, height in (image.size for image in images))
-        raise ImageLoadError(
-            f"sample {sample.id}: the processor refused its image(s) ({sizes}): {type(error).__name__}: {error}"
+        sizes += "".join(f", video of {v.frames.shape[0]} frames of {v.frames.shape[-1]}x{v.frames.shape[-2]}" for v in videos)
+        error_type = VideoLoadError if videos else ImageLoadError
+        raise error_type(
+            f"sample {sample.id}: the processor refused its inputs ({sizes.lstrip(', ')}): {type(error).__name__}: {error}"
         ) from error
     if images:
         grid, pixel_values = encoded["image_grid_thw"], encoded["pixel_values"]
     else:  # a text-only prompt (math word problems, code): no vision rows
-        grid = torch.zeros((0, 3), dtype=torch.long)
+        grid = _no_grid()
         pixel_values = torch.zeros((0, 0))
     patch = policy.model.config.vision_config.patch_size
     input_sizes = tuple((int(w) * patch, int(h) * patch) for _, h, w in grid.tolist())
+    video_fields = {}
+    if videos:
+        temporal_patch = policy.processor.video_processor.temporal_patch_size
+        video_fields = dict(
+            pixel_values_videos=encoded["pixel_values_videos"],
+            video_grid_thw=encoded["video_grid_thw"],
+            video_seconds_per_grid=torch.tensor([temporal_patch / v.sampled_fps for v in videos], dtype=torch.float32),
+            video_frames=tuple(int(v.frames.shape[0]) for v in videos),
+        )
     return EncodedPrompt(
         input_ids=encoded["input_ids"][0].tolist(),
         pixel_values=pixel_values,
         image_grid_thw=grid,
         input_sizes=input_sizes,
         original_sizes=tuple(image.size for image in images),
+        **video_fields,
     )
 
 
@@ -95,27 +170,59 @@ def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPr
 # Positions and the vision tower
 
 
-def _rope_positions(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw):
-    """mRoPE position ids [3, N, L] for a padded batch (pad positions get 0)."""
-    mm_token_type_ids = (input_ids == policy.image_token_id).int()
+def _rope_positions(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor, grids: VisionGrids):
+    """mRoPE position ids [3, N, L] for a padded batch (pad positions get 0). Image tokens are type 1, video
+    tokens type 2: a video's temporal patches get time positions (Qwen2.5-VL: spaced by its seconds per
+    patch), an image's all share one."""
+    token_types = (input_ids == policy.image_token_id).int() + 2 * (input_ids == policy.video_token_id).int()
+    videos = {}
+    if grids.video.shape[0]:
+        videos = {"video_grid_thw": grids.video, "second_per_grid_ts": grids.video_seconds}
     positions, _ = policy.model.model.get_rope_index(
         input_ids,
-        mm_token_type_ids,
-        image_grid_thw=image_grid_thw if image_grid_thw.shape[0] else None,
+        token_types,
+        image_grid_thw=grids.image if grids.image.shape[0] else None,
         attention_mask=attention_mask,
+        **videos,
     )
     return positions
 
 
 def _encode_images(policy: Policy, prompts: Sequence[EncodedPrompt]):
-    """Run the vision tower once over all images of the prompts. Returns (the model's vision output, or
-    None when no prompt has an image, and the [num_images, 3] grid)."""
+    """Run the vision tower once over all images and videos of the prompts (one call, so that every process
+    of an FSDP launch runs the tower's collectives once per forward, whatever its prompts hold). Returns (the
+    model's vision outputs by modality, ``{"image": .., "video": ..}`` with the modalities present, or None
+    when no prompt has either; the batch's ``VisionGrids``)."""
     device = policy.device
-    grid = torch.cat([p.image_grid_thw for p in prompts]).to(device)
-    if grid.shape[0] == 0:
-        return None, grid
-    pixel_values = torch.cat([p.pixel_values for p in prompts if p.image_grid_thw.shape[0]]).to(device)
-    return policy.model.model.get_image_features(pixel_values, grid, return_dict=True), grid
+    grids = VisionGrids.of(prompts).to(device)
+    if grids.count == 0:
+        return None, grids
+    pixels = [p.pixel_values for p in prompts if p.image_grid_thw.shape[0]]
+    pixels += [p.pixel_values_videos for p in prompts if p.video_grid_thw.shape[0]]
+    output = policy.model.model.get_image_features(
+        torch.cat(pixels).to(device), torch.cat([grids.image, grids.video]), return_dict=True
+    )
+    num_images = grids.image.shape[0]
+    vision = {}
+    if num_images:
+        vision["image"] = _vision_items(output, range(num_images))
+    if grids.video.shape[0]:
+        vision["video"] = _vision_items(output, range(num_images, grids.count))
+    return vision, grids
+
+
+def _vision_items(vision_output, order) -> object:
+    """The vision output of items ``order`` (indices into its per-item outputs, repeats allowed)."""
+    order = list(order)
+    pooled = vision_output.pooler_output
+    selected = type(vision_output)(**{k: v for k, v in vision_output.items()})
+    selected.pooler_output = tuple(pooled[i] for i in order)
+    deepstack = getattr(vision_output, "deepstack_features", None)
+    if deepstack:  # Qwen3-VL: one entry per level, each split per item like pooler_output
+        counts = [t.shape[0] for t in pooled]
+        per_item = [torch.split(lv, counts) if isinstance(lv, torch.Tensor) else lv for lv in deepstack]
+        selected.deepstack_features = [tuple(level[i] for i in order) for level in per_item]
+    return selected
 
 
 @functools.lru_cache(maxsize=8)
@@ -152,25 +259,23 @@ def _zero_of(tensor) -> torch.Tensor:
     return tensor.sum(dtype=torch.float32) * 0.0
 
 
-def _vision_inputs(vision_output) -> dict:
-    """The model's image argument for features already computed (nothing for a text-only batch)."""
-    return {} if vision_output is None else {"mm_encoder_outputs": {"image": vision_output}}
+def _vision_inputs(vision) -> dict:
+    """The model's image and video arguments for features already computed (nothing for a text-only batch)."""
+    return {} if vision is None else {"mm_encoder_outputs": dict(vision)}
 
 
-def _select_vision_rows(vision_output, images_per_prompt: list[int], row_prompt: list[int]):
-    """Repeat the per-image vision features so that row r gets the images of prompt row_prompt[r]."""
-    if vision_output is None:
+def _select_vision_rows(vision, prompts: Sequence[EncodedPrompt], row_prompt: list[int]):
+    """Repeat the per-image and per-video features so that row r gets those of ``prompts[row_prompt[r]]``
+    (``vision`` holds the prompts' items in order, as ``_encode_images`` made it)."""
+    if vision is None:
         return None
-    first_image = [sum(images_per_prompt[:i]) for i in range(len(images_per_prompt))]
-    image_order = [first_image[p] + j for p in row_prompt for j in range(images_per_prompt[p])]
-    pooled = vision_output.pooler_output
-    selected = type(vision_output)(**{k: v for k, v in vision_output.items()})
-    selected.pooler_output = tuple(pooled[i] for i in image_order)
-    deepstack = getattr(vision_output, "deepstack_features", None)
-    if deepstack:  # Qwen3-VL: one entry per level, each split per image like pooler_output
-        counts = [t.shape[0] for t in pooled]
-        per_image = [torch.split(lv, counts) if isinstance(lv, torch.Tensor) else lv for lv in deepstack]
-        selected.deepstack_features = [tuple(level[i] for i in image_order) for level in per_image]
+    selected = {}
+    for modality, count_of in (("image", lambda p: p.image_grid_thw.shape[0]), ("video", lambda p: p.video_grid_thw.shape[0])):
+        if modality not in vision:
+            continue
+        counts = [count_of(p) for p in prompts]
+        first = [sum(counts[:i]) for i in range(len(counts))]
+        selected[modality] = _vision_items(vision[modality], [first[p] + j for p in row_prompt for j in range(counts[p])])
     return selected
 
 

@@ -26,6 +26,8 @@ What is here:
   loaders       ``checked_source_file``, ``require_keys``, ``jsonl_rows``, ``read_rows``, ``detect_schema``, ``rows_to_samples``,
                 ``image_from_cell``, ``embedded_split_file``, ``skip_row`` (drop a row with an unreadable image,
                 counted), ``ImageLoadError``, ``header_size``, ``open_lazily``;
+  videos        ``decode_video`` (a path or frame list under a ``VideoBudget`` -> ``DecodedVideo``), ``VideoLoadError``
+                (skipped and counted as a broken image is), ``frame_strip`` (frames side by side, for drawings);
   evaluation    ``draw_marks`` with ``PREDICTION_COLOUR`` and ``TRUTH_COLOUR`` (for ``Task.draw``).
 
 Every parser is total on model output: malformed text gives ``None`` (or ``0.0`` for ``iou``), never an
@@ -62,6 +64,7 @@ from vlm_grpo_ma.task_api.registry import (
     skip_row,
     weighted_reward,
 )
+from vlm_grpo_ma.task_api.videos import DecodedVideo, VideoBudget, VideoLoadError, decode_video, frame_strip
 from vlm_grpo_ma.task_api.sources import (
     checked_source_file,
     detect_schema,
@@ -108,6 +111,12 @@ __all__ = [
     "ImageLoadError",
     "header_size",
     "open_lazily",
+    # videos
+    "VideoLoadError",
+    "VideoBudget",
+    "DecodedVideo",
+    "decode_video",
+    "frame_strip",
     # evaluation
     "draw_marks",
     "PREDICTION_COLOUR",

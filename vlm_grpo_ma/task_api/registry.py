@@ -25,11 +25,13 @@ from typing import Any
 from vlm_grpo_ma.task_api.coords import CoordinateFrame, Size, to_original_pixels
 
 ImageRef = Any  # a file path (str) or a PIL.Image.Image
+VideoRef = Any  # a file path (str), or a list of frames (image paths or PIL images) in time order
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One prompt: image(s) + question, with the ground truth the reward needs."""
+    """One prompt: image(s) and video(s) + question, with the ground truth the reward needs. Videos are kept
+    as paths (or frame lists) and decoded when the prompt is encoded (``task_api.videos``)."""
 
     task: str
     id: str
@@ -37,6 +39,7 @@ class Sample:
     images: tuple[ImageRef, ...]
     answer: Any
     meta: dict[str, Any] = field(default_factory=dict)
+    videos: tuple[VideoRef, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from vlm_grpo_ma.engines.decode import (
 from vlm_grpo_ma.model import lora
 from vlm_grpo_ma.model.loading import Policy, count_parameters
 from vlm_grpo_ma.model.logprobs import _policy_logprobs, sequence_logprobs, shared_prefix_logprobs
-from vlm_grpo_ma.model.prompts import EncodedPrompt, _left_pad
+from vlm_grpo_ma.model.prompts import EncodedPrompt, VisionGrids, _left_pad
 from vlm_grpo_ma.run.config import RolloutConfig, TrainConfig
 from vlm_grpo_ma.tools.bench_inputs import (
     BENCH_MODELS,
@@ -137,8 +137,8 @@ def reencode_answers(
     ids, mask = _left_pad(rows, policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     pixel_values = torch.cat([prompts[b].pixel_values for b in row_prompt]).to(device)
-    grid = torch.cat([prompts[b].image_grid_thw for b in row_prompt]).to(device)
-    state = prefill(policy, ids, mask, grid, pixel_values=pixel_values, image_grid_thw=grid)
+    grids = VisionGrids.of([prompts[b] for b in row_prompt]).to(device)
+    state = prefill(policy, ids, mask, grids, pixel_values=pixel_values, image_grid_thw=grids.image)
     first_logits = state.logits.clone()
     answer_ids, answer_logprobs, _, _ = decode_answers(policy, state, settings)
     return answer_ids, answer_logprobs, first_logits
