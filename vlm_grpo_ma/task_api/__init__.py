@@ -64,7 +64,6 @@ from vlm_grpo_ma.task_api.registry import (
     skip_row,
     weighted_reward,
 )
-from vlm_grpo_ma.task_api.videos import DecodedVideo, VideoBudget, VideoLoadError, decode_video, frame_strip
 from vlm_grpo_ma.task_api.sources import (
     checked_source_file,
     detect_schema,
@@ -75,6 +74,7 @@ from vlm_grpo_ma.task_api.sources import (
     require_keys,
     rows_to_samples,
 )
+from vlm_grpo_ma.task_api.videos import DecodedVideo, VideoBudget, VideoLoadError, decode_video, frame_strip
 
 __all__ = [
     # types
