@@ -6,7 +6,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-STEP = 4  # pixels the square moves per frame
+STEP = 3  # pixels the square moves per frame
 SIDE = 8  # the square's side
 
 

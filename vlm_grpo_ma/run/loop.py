@@ -35,6 +35,7 @@ from vlm_grpo_ma.run.update import UpdateGuard, update_policy
 from vlm_grpo_ma.task_api.images import ImageLoadError
 from vlm_grpo_ma.task_api.registry import get_task
 from vlm_grpo_ma.task_api.streams import PromptStream
+from vlm_grpo_ma.task_api.videos import VideoLoadError
 
 log = logging.getLogger("vlm_grpo_ma.train")
 # Steps in a row whose every group had equal rewards (no advantage, nothing trains) before the run says so.
@@ -248,7 +249,8 @@ def draw_prompts(
     """The next ``count`` samples of ``stream`` that encode, and their prompts, of which this process encodes
     only its share: slots ``process_index * share ..`` (``share = count // num_processes``); the others are None.
     With ``processes_per_share`` > 1 (processes sharing one engine) each process encodes its group's shares.
-    A broken or missing image is skipped and counted (``skipped_broken_images``), never fatal, and every
+    A broken or missing image or video is skipped and counted (``skipped_broken_images``,
+    ``skipped_broken_videos``; the log names its path), never fatal, and every
     process skips the same samples: the samples one process would take, whatever the number of processes.
 
     Rounds: the next ``count - found`` samples of the stream are candidates; candidate ``j`` fills slot
@@ -266,11 +268,12 @@ def draw_prompts(
         attempts += len(candidates)
         encoded: dict[int, EncodedPrompt] = {}  # candidate -> its prompt, for the candidates of this share
         check = functools.partial(encode_candidates, candidates, [found + j in mine for j in range(len(candidates))], encode, encoded)
-        failed = {j: message for part in exchange(check) for j, message in part.items()}
-        counters["skipped_broken_images"] += len(failed)
+        failed = {j: why for part in exchange(check) for j, why in part.items()}
+        for counter, _ in failed.values():
+            counters[counter] += 1
         skipped += len(failed)
         if failed and attempts > 10 * count + 100:
-            raise ConfigError(f"too many unreadable images in a row; check data.source ({next(iter(failed.values()))})")
+            raise ConfigError(f"too many unreadable images or videos in a row; check data.source ({next(iter(failed.values()))[1]})")
         for j, sample in enumerate(candidates):
             if j not in failed:
                 if j in encoded and len(samples) in mine:
@@ -288,17 +291,18 @@ def draw_prompts(
     return samples, [prompts.get(slot) for slot in range(count)]
 
 
-def encode_candidates(candidates: list, is_mine: list[bool], encode, encoded: dict) -> dict[int, str]:
-    """Encode the candidates ``j`` with ``is_mine[j]`` into ``encoded[j]``; returns {j: why} for those that
-    do not load."""
+def encode_candidates(candidates: list, is_mine: list[bool], encode, encoded: dict) -> dict[int, tuple[str, str]]:
+    """Encode the candidates ``j`` with ``is_mine[j]`` into ``encoded[j]``; returns {j: (the counter it adds
+    to, why)} for those that do not load."""
     failures = {}
     for j, sample in enumerate(candidates):
         if is_mine[j]:
             try:
                 encoded[j] = encode(sample)
             except ImageLoadError as error:
-                failures[j] = f"skipping sample {sample.id}: {error}"
-                log.warning("%s", failures[j])
+                counter = "skipped_broken_videos" if isinstance(error, VideoLoadError) else "skipped_broken_images"
+                failures[j] = (counter, f"skipping sample {sample.id}: {error}")
+                log.warning("%s", failures[j][1])
     return failures
 
 

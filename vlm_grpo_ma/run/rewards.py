@@ -61,7 +61,7 @@ def score_answers(
     """``(parts, weighted reward, None)`` per ``(task, weights, completion, sample)`` job, in order, or
     ``({}, 0.0, error)`` when the reward raised (``RewardError``) or ran past ``timeout_s`` seconds
     (``RewardTimeout``). The rewards run in ``workers`` worker processes; the result does not depend on it.
-    A reward gets the sample without its images: pickling a lazily opened image decodes it (a 0.7 MB JPEG sent
+    A reward gets the sample without its images and videos: pickling a lazily opened image decodes it (a 0.7 MB JPEG sent
     as 3.7 MB, once per answer) and leaves it decoded in the trainer's sample; rewards read the truth, not
     pixels (image sizes a reward needs travel in ``Sample.meta``)."""
     outcomes = shared_pool().run(
@@ -72,7 +72,10 @@ def score_answers(
 
 
 def _without_images(sample):
-    return dataclasses.replace(sample, images=()) if isinstance(sample, Sample) and sample.images else sample
+    """The sample without its images and videos (a video's frame list may hold images too)."""
+    if isinstance(sample, Sample) and (sample.images or sample.videos):
+        return dataclasses.replace(sample, images=(), videos=())
+    return sample
 
 
 def task_reward(

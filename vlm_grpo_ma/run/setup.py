@@ -25,7 +25,7 @@ from vlm_grpo_ma.model.logprobs import CompletionScorer
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run import sharding, survive
 from vlm_grpo_ma.run.batch import TrainBatch
-from vlm_grpo_ma.run.config import Config, ConfigError, save_config
+from vlm_grpo_ma.run.config import Config, ConfigError, save_config, video_budget
 from vlm_grpo_ma.run.distributed import main_process_value, make_accelerator
 from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.run.memory_model import tree_too_large
@@ -235,7 +235,7 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
         counters[f"skipped_{reason}_at_load"] = n
     # Last, so that nothing between here and train()'s try can fail with an engine to end (close). After a
     # resume's weights are loaded: the engine gets those. Room for the most images any training prompt holds.
-    engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples),
+    engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples), max_videos=max(len(sample.videos) for sample in stream.samples),
                          num_processes=num_processes, process_index=accelerator.process_index)  # fmt: skip
     return RunState(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
@@ -354,6 +354,7 @@ def load_model_policy(cfg: Config, model_path: str, device) -> Policy:
             min_pixels=cfg.model.min_pixels,
             max_pixels=cfg.model.max_pixels,
             device=device,
+            video_budget=video_budget(cfg.model),
         )
     except (FileNotFoundError, ValueError) as error:  # a missing folder, an unsupported model family
         raise ConfigError(f"model.name_or_path={model_path}: {error}") from error

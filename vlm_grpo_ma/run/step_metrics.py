@@ -4,6 +4,8 @@ dump of its first prompts' trees. Plain functions of the step's objects; the upd
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from vlm_grpo_ma.algorithm.diagnostics import thought_value_noise, zero_signal_shares
@@ -83,10 +85,11 @@ def rollout_records(
                 value = thought_adv[b, k]
                 thoughts[-1]["thought_advantage"] = float(value) if value.dim() == 0 else value.tolist()
         images = [img if isinstance(img, str) else "<in-memory image>" for img in sample.images]
-        records.append(
-            {"step": step, "task": sample.task, "sample_id": sample.id, "images": images, "question": sample.question,
-             "thoughts": thoughts}
-        )
+        record = {"step": step, "task": sample.task, "sample_id": sample.id, "images": images, "question": sample.question,
+                  "thoughts": thoughts}  # fmt: skip
+        if sample.videos:
+            record["videos"] = [str(v) if isinstance(v, (str, Path)) else f"<{len(v)} frames>" for v in sample.videos]
+        records.append(record)
     return records
 
 
