@@ -5,7 +5,7 @@ tests/test_sharding.py under ``torch.distributed.run --nproc_per_node 2``):
 
 VARIANT is a ``+``-joined set of flags (``full`` for none): ``lora``, ``freeze-vision``,
 ``gradient-checkpointing``, ``mixed``, ``hybrid`` (the model of --hybrid-model, a Qwen3.5, instead of
-MODEL_DIR); e.g. ``full lora mixed+lora hybrid+lora``. Each variant runs in turn in the same
+MODEL_DIR), ``video`` (rank 0's prompts hold videos); e.g. ``full lora mixed+lora hybrid+lora``. Each variant runs in turn in the same
 launch (one start of the processes for all of them). Each rank samples its own prompts with the sharded model
 (under ``sharding.gathered``) and the unsharded copy, scores its rows with the sharded scorer (tree-shared
 forward and re-encoding) and backpropagates its share of a loss, and clips; the unsharded copy computes the
@@ -63,8 +63,10 @@ def loss_of(logprobs: torch.Tensor) -> torch.Tensor:
 
 # lora: LoRA adapters on q and v; freeze-vision: the vision tower frozen; gradient-checkpointing: as the 7B FSDP
 # preset trains; mixed: the last rank's prompts are text-only and its answers one token long (a task mixture's
-# worst case); hybrid: the --hybrid-model (linear-attention states in the cache; LoRA on its projections too)
-FLAGS = ("lora", "freeze-vision", "gradient-checkpointing", "mixed", "hybrid")
+# worst case); hybrid: the --hybrid-model (linear-attention states in the cache; LoRA on its projections too);
+# video: rank 0's first prompt holds a video instead of its image, its second a video beside its image (with
+# mixed, the last rank is text-only: the tower sees frames on one process and a blank image on the other)
+FLAGS = ("lora", "freeze-vision", "gradient-checkpointing", "mixed", "hybrid", "video")
 
 
 def parse_variant(variant: str) -> argparse.Namespace:
@@ -132,6 +134,15 @@ def run_variant(model_dir: str, args: argparse.Namespace, rank: int, world: int)
         samples = samples[: PROMPTS_PER_RANK * text_only_rank] + [
             dataclasses.replace(s, images=()) for s in samples[PROMPTS_PER_RANK * text_only_rank :]
         ]
+    if args.video:
+        import tempfile
+
+        from video_clips import write_clip  # tests/ is this script's folder
+
+        folder = tempfile.mkdtemp(prefix=f"fsdp-video-{rank}-")  # each rank writes the same clips for itself
+        clips = [str(write_clip(os.path.join(folder, f"{n}.mp4"), frames=n, fps=4)) for n in (8, 12)]
+        samples[0] = dataclasses.replace(samples[0], images=(), videos=(clips[0],))
+        samples[1] = dataclasses.replace(samples[1], videos=(clips[1],))
     prompts = [encode_prompt(plain, s, "Think.") for s in samples]
     mine = prompts[rank * PROMPTS_PER_RANK : (rank + 1) * PROMPTS_PER_RANK]
     result = {}

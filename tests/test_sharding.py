@@ -5,7 +5,9 @@ re-encoding), the gradient averaging and clipping; and LoRA under FSDP trained e
 Planted and seen to fail: ``gathered`` not unsharding (the rollout then mixes DTensor shards and plain
 tensors and fails); the loss not multiplied by the number of processes in fsdp_parts (gradients half the
 unsharded ones); the clipping norm not all-reduced (222.8 against 307.4); the LoRA adapter saved from the
-module's own (sharded) state dict instead of the gathered one (the two-process run fails at the save)."""
+module's own (sharded) state dict instead of the gathered one (the two-process run fails at the save); the
+vision tower called once for images and again for videos (variant video+mixed: rank 0 with videos issues more
+collectives than the text-only rank 1, and the launch aborts)."""
 
 import json
 import os
@@ -81,7 +83,7 @@ def test_gathered_is_a_no_op_on_an_unsharded_module(tiny_policy):
 
 
 # hybrid: the tiny Qwen3.5, whose linear-attention states the tree-shared forward carries through FSDP's units
-VARIANTS = ["full", "lora", "gradient-checkpointing", "mixed", "mixed+gradient-checkpointing", "mixed+lora", "hybrid", "hybrid+lora"]
+VARIANTS = ["full", "lora", "gradient-checkpointing", "mixed", "mixed+gradient-checkpointing", "mixed+lora", "hybrid", "hybrid+lora", "video+mixed"]
 
 
 @pytest.fixture(scope="module")

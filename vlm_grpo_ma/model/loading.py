@@ -221,6 +221,11 @@ def load_policy(
         size["longest_edge"] = max_pixels if max_pixels is not None else size["longest_edge"]
         processor.image_processor.size = size
     processor.tokenizer.padding_side = "left"
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is not None and hasattr(video_processor, "cap_pixels_per_frame"):
+        # frames arrive sized by the run's video budget (task_api/videos.py) and are not resized again, so
+        # transformers' per-frame pixel cap (which warns when left unset) has nothing to cap
+        video_processor.cap_pixels_per_frame = False
     # use_kernels=False: with the `kernels` package installed (transformers >= 5.25 requires it), a model loaded
     # with the default swaps layers for Hub kernels at its first .train() on CUDA, fetching them from the Hub
     # (an offline GPU run stops there) and changing the numerics the trainer's one log-prob path is held to.

@@ -23,6 +23,7 @@ from pathlib import Path
 TINY_MODEL_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl"
 TINY_EXACT_MODEL_DIR = TINY_MODEL_DIR.with_name("tiny-qwen2.5-vl-exact")
 TINY_COUNT_MODEL_DIR = TINY_MODEL_DIR.with_name("tiny-qwen2.5-vl-count")  # the counting regime's start
+TINY_VIDEO_MODEL_DIR = TINY_MODEL_DIR.with_name("tiny-qwen2.5-vl-video")  # the video task's start
 TINY_MODEL_NAME = "tiny"  # `model.name_or_path: tiny` selects TINY_MODEL_DIR
 
 # Qwen2/2.5 chat and vision special tokens, in the order of the real vocabulary.

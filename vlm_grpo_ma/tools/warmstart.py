@@ -47,6 +47,7 @@ import argparse
 import functools
 import importlib.util
 import random
+import re
 import shutil
 import sys
 import time
@@ -59,7 +60,12 @@ from vlm_grpo_ma.model.loading import Policy, load_policy
 from vlm_grpo_ma.model.logprobs import sequence_logprobs
 from vlm_grpo_ma.model.lora import freeze_vision, trainable_parameters, vision_tower
 from vlm_grpo_ma.model.prompts import encode_prompt
-from vlm_grpo_ma.model.tiny import TINY_COUNT_MODEL_DIR, TINY_EXACT_MODEL_DIR, build_untrained
+from vlm_grpo_ma.model.tiny import (
+    TINY_COUNT_MODEL_DIR,
+    TINY_EXACT_MODEL_DIR,
+    TINY_VIDEO_MODEL_DIR,
+    build_untrained,
+)
 from vlm_grpo_ma.run.evaluation import EvalSettings
 from vlm_grpo_ma.task_api.coords import from_original_pixels
 from vlm_grpo_ma.task_api.registry import Sample, get_task
@@ -169,6 +175,55 @@ class CountingStream:
         return scenes
 
 
+class VideoStream:
+    """Fresh clips from the video data's generator (``data/make_video.py::make_clip``), written as mp4 files (so
+    the warm start reads them as the RL run does, through PyAV) into a scratch folder, as Samples the video task
+    scores (its own row reader: one way to build a video sample).
+
+    ``reversed_rate``: the share of ``direction`` clips whose label reads the clip backwards: the thought has the
+    start and the end swapped ("starts at the right and ends at the left") and the answer follows it. A model
+    trained on such labels reads some motion in reverse and answers what its thought says: a flaw of the
+    reading, drawn apart from the clips (any rate gives the same clips), that a correctness reward can pay to
+    remove, as the counting warm start's slips are."""
+
+    def __init__(self, seed: int, reversed_rate: float = 0.0):
+        import tempfile
+
+        self._generator = load_generator("make_video")
+        self._rows = sys.modules[get_task("video").reward.__module__]
+        self._rng = random.Random(seed)
+        self._flips = random.Random(seed + 1_000_003)
+        self._reversed_rate = reversed_rate
+        self._folder = Path(tempfile.mkdtemp(prefix=f"warmstart-video-{seed}-"))
+        self._seed = seed
+        self._count = 0
+
+    def take(self, n: int) -> list[Scene]:
+        scenes = []
+        for _ in range(n):
+            clip = self._generator.make_clip(self._rng)
+            # one file per slot of a batch: a batch's clips are encoded before the next batch overwrites them
+            path = self._folder / f"{self._count % 4096}.mp4"
+            self._generator.write_clip(path, clip.frames, clip.fps)
+            row = self._generator.clip_row(clip, f"generated-{self._seed}-{self._count}", str(path))
+            if clip.kind == "direction" and self._flips.random() < self._reversed_rate:
+                row = read_backwards(row)
+            sample = self._rows._project_sample(row, row["id"], self._folder, f"generated clip {self._count}")
+            scenes.append(Scene(sample, ()))
+            self._count += 1
+        return scenes
+
+
+def read_backwards(row: dict) -> dict:
+    """A ``direction`` row whose label reads the clip in reverse: start and end swapped in the thought, the
+    answer the opposite direction."""
+    opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    ends = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
+    thought = re.sub(r"\b(left|right|top|bottom)\b", lambda m: ends[m.group(1)], row["reference_thought"])
+    answer = row["choices"].index(opposite[row["choices"][ord(row["answer"]) - ord("A")]])
+    return {**row, "reference_thought": thought, "answer": chr(ord("A") + answer)}
+
+
 def slipped(thought: str, answer: int) -> tuple[str, int]:
     """A thought ending "... = {answer}." and its answer, with the result one less."""
     ending = f"= {answer}."
@@ -187,8 +242,8 @@ class SceneObject:
 
 
 # What each --task warm-starts: the stream of generated scenes and the registered task that scores them.
-STREAMS = {"grounding": SceneStream, "counting": CountingStream}
-SCORED_BY = {"grounding": "grounding", "counting": "math"}
+STREAMS = {"grounding": SceneStream, "counting": CountingStream, "video": VideoStream}
+SCORED_BY = {"grounding": "grounding", "counting": "math", "video": "video"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -315,7 +370,8 @@ def supervised_step(policy: Policy, samples: list[Sample], instruction: str, box
     eos = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
     targets = [
         policy.tokenizer.encode(
-            target_text(policy, s, p.input_sizes[0], p.original_sizes[0], box_margin), add_special_tokens=False
+            target_text(policy, s, p.input_sizes[0] if p.input_sizes else None, p.original_sizes[0] if p.original_sizes else None, box_margin),
+            add_special_tokens=False,
         )
         + [eos]
         for s, p in zip(samples, prompts, strict=True)
@@ -383,6 +439,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--box-margin", type=float, default=0.0, help="loose labels: grow every target box by this many pixels a side")
     parser.add_argument("--init", type=Path, help="start from this model folder instead of a fresh random model")
+    parser.add_argument("--reversed-rate", type=float, default=0.0,
+                        help="video: the share of direction labels that read the clip backwards (see VideoStream)")
     parser.add_argument("--slip-rate", type=float, default=0.0,
                         help="counting: the share of sum and add labels with an arithmetic slip (see CountingStream)")
     args = parser.parse_args(argv)
@@ -394,7 +452,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--slip-rate must be a share in [0, 1], got {args.slip_rate}")
     if args.slip_rate and args.task != "counting":
         parser.error(f"--slip-rate puts slips in counting labels; --task {args.task} has none")
-    out = args.out or {"grounding": TINY_EXACT_MODEL_DIR, "counting": TINY_COUNT_MODEL_DIR}[args.task]
+    if not 0 <= args.reversed_rate <= 1:
+        parser.error(f"--reversed-rate must be a share in [0, 1], got {args.reversed_rate}")
+    if args.reversed_rate and args.task != "video":
+        parser.error(f"--reversed-rate reverses video labels; --task {args.task} has none")
+    if args.task == "video" and args.vision_steps:
+        parser.error("--task video trains the decoder only (--vision-steps 0) from a model whose tower reads shapes (--init)")
+    out = args.out or {"grounding": TINY_EXACT_MODEL_DIR, "counting": TINY_COUNT_MODEL_DIR, "video": TINY_VIDEO_MODEL_DIR}[args.task]
     make_stream = STREAMS[args.task]
 
     torch.manual_seed(args.seed)
@@ -421,7 +485,12 @@ def main(argv: list[str] | None = None) -> None:
     decoder_parameters = trainable_parameters(policy.model)
 
     task = get_task(SCORED_BY[args.task])
-    stream = CountingStream(DECODER_SEED, args.slip_rate) if args.task == "counting" else make_stream(DECODER_SEED)
+    if args.task == "counting":
+        stream = CountingStream(DECODER_SEED, args.slip_rate)
+    elif args.task == "video":
+        stream = VideoStream(DECODER_SEED, args.reversed_rate)
+    else:
+        stream = make_stream(DECODER_SEED)
     held_out = [scene.sample for scene in make_stream(HELD_OUT_SEED).take(args.eval_scenes)]  # true labels
     settings = EvalSettings(max_thought_tokens=args.max_thought_tokens)
     _train(
