@@ -20,10 +20,11 @@ its folder without the last checkpoint resumes from there (one launch, not two).
 keeps the untrained model and the one-process runs in DIR and reuses a run trained with the same overrides
 (the test suite shares one between its checks: the DDP and FSDP checks train the same one-process run).
 
-``--mixture`` trains a task mixture of the grounding scenes (with images, rewarded by answer length) and the
-code task (text-only prompts): at some steps one process holds a micro-batch without an image while the other
-holds one (the script prints each step's prompts per process, I = image, T = text-only), so every process
-must issue the same collectives whatever its rows hold. ``--machines 2`` launches the two processes as two
+``--mixture`` trains a task mixture of the grounding scenes (with images, rewarded by answer length), the video
+task's clips (with a video, rewarded the same way) and the code task (text-only prompts): at some steps one
+process holds a micro-batch with a video or an image while the other holds none (the script prints each step's
+prompts per process, V = video, I = image, T = text-only), so every process must issue the same collectives
+whatever its rows hold. ``--machines 2`` launches the two processes as two
 machines of one process each (``--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1``), the
 multi-node launch, on this host.
 
@@ -70,7 +71,8 @@ LEARNING_RATES = {"adamw": 1e-3, "sgd": 0.5}  # both move the untrained model's 
 LAUNCH_CONFIGS = {"ddp": "configs/accelerate/cpu-2proc.yaml", "fsdp": "configs/accelerate/cpu-2proc-fsdp.yaml"}
 MEMORY_PARTS = ("parameter", "gradient", "optimizer", "reference")  # reference: the frozen KL model
 SHARDED_SHARE = 0.55  # FSDP over 2 processes: each holds about half (shards are padded to equal sizes)
-MIXTURE = "data.tasks={answer_length: 1, code: 1}"  # grounding scenes (images) + code (text-only)
+# grounding scenes (images) + the video clips (videos) + code (text-only)
+MIXTURE = "data.tasks={answer_length: 1, video_length: 1, code: 1}"
 
 
 def run_overrides(model_dir: Path, steps: int, optimizer: str) -> list[str]:
@@ -216,8 +218,8 @@ def check_reduce_scatters(run_dir: Path, processes: int) -> bool:
 
 
 def step_shares(overrides: list[str], steps: int, processes: int = 2) -> list[list[str]]:
-    """Per step, per process, its prompts as I (with an image) or T (text-only), in micro-batch order: the
-    run's own prompt stream, replayed."""
+    """Per step, per process, its prompts as V (with a video), I (with an image) or T (text-only), in
+    micro-batch order: the run's own prompt stream, replayed."""
     from vlm_grpo_ma.run.config import load_config
     from vlm_grpo_ma.run.setup import load_prompt_stream
 
@@ -226,7 +228,7 @@ def step_shares(overrides: list[str], steps: int, processes: int = 2) -> list[li
     share = cfg.train.prompts_per_step // processes
     shares = []
     for _ in range(steps):
-        kinds = "".join("I" if sample.images else "T" for sample in stream.take(cfg.train.prompts_per_step))
+        kinds = "".join("V" if sample.videos else "I" if sample.images else "T" for sample in stream.take(cfg.train.prompts_per_step))
         shares.append([kinds[rank * share : (rank + 1) * share] for rank in range(processes)])
     return shares
 
@@ -284,12 +286,14 @@ def check_optimizer(
     if resume:
         print(f"  two processes, straight vs stopped and resumed:     {resume_difference:.3e}")
     parts_ok = True
-    if MIXTURE in extra:  # the run's prompts: a process without an image where the other has one
+    if MIXTURE in extra:  # the run's prompts: a process without an image or video where the other has one
         shares = step_shares(overrides, steps)
-        print("  prompts per process and step (I image, T text-only), rank 0 | rank 1: " + ", ".join(" | ".join(s) for s in shares))
+        print("  prompts per process and step (V video, I image, T text-only), rank 0 | rank 1: " + ", ".join(" | ".join(s) for s in shares))
         differing = sum(a != b for ranks in shares for a, b in zip(*ranks, strict=True))
-        print(f"  micro-batches where one process has no image and the other has one: {differing}")
-        parts_ok = differing > 0
+        with_video = sum("V" in share for ranks in shares for share in ranks)
+        print(f"  micro-batches where the processes differ in what they hold (video, image, text): {differing}")
+        print(f"  micro-batches with a video: {with_video}")
+        parts_ok = differing > 0 and with_video > 0
     if "algorithm.dynamic_sampling=true" in extra:  # the draws each step made, which both runs must share
         drawn = {run: logged(run, "signal/resampled_prompts") for run in (one, two)}
         print(f"  prompts drawn again (dynamic sampling), 1 proc / 2 procs: {drawn[one]} / {drawn[two]}")

@@ -90,6 +90,7 @@ def test_a_vllm_that_does_not_import_is_refused_before_the_model_loads(tmp_path)
 def test_unexpanded_ids_collapse_each_image_run():
     assert unexpanded_ids([1, 9, 9, 9, 2, 9, 9, 3], 9) == [1, 9, 2, 9, 3]
     assert unexpanded_ids([1, 2], 9) == [1, 2]
+    assert unexpanded_ids([1, 9, 9, 2, 8, 8, 8, 3], 9, 8) == [1, 9, 2, 8, 3]  # a video's placeholders too
 
 
 def test_streamed_weights_are_the_merged_model_one_tensor_at_a_time_in_the_engines_dtype(untrained_tiny_dir):

@@ -84,13 +84,14 @@ def test_two_processes_train_flat_grpo_with_dynamic_sampling_as_one_process_does
 
 @pytest.mark.slow
 def test_sharded_processes_train_a_mixture_with_text_only_micro_batches_as_one_process_does(reference_cache):
-    """Grounding scenes (images) + code (text-only prompts): at some steps one process's micro-batch has no
-    image while the other's has, so the vision tower runs on one process only unless it always runs
+    """Grounding scenes (images) + video clips + code (text-only prompts): at some steps one process's micro-batch
+    has a video or an image while the other's has none, so the vision tower runs on one process only unless it always runs
     (prompts.idle_vision_term); 4 steps, SGD. Planted and seen to fail: the vision call skipped on a text-only
     micro-batch (gloo aborts: "Received data size doesn't match expected size"; see also tests/fsdp_parts.py
     variant mixed, which also makes one process's answers one token long)."""
     out = _check(reference_cache, "--strategy", "fsdp", "--optimizers", "sgd", "--steps", "4", "--mixture", "--no-resume")
-    assert "micro-batches where one process has no image and the other has one: 0" not in out
+    assert "micro-batches where the processes differ in what they hold (video, image, text): 0" not in out
+    assert "micro-batches with a video: 0" not in out
 
 
 @pytest.mark.slow

@@ -110,12 +110,41 @@ def test_a_broken_video_is_skipped_and_counted_in_a_steps_draw(policy, clip_dir)
     assert all(p.video_grid_thw.shape[0] == 1 for p in prompts)
 
 
-def test_video_frames_get_time_positions(policy, clip_dir):
-    """The embedded Qwen2.5-VL places a video's temporal patches tokens_per_second * seconds-per-patch apart
-    (16 frames at 8 fps sampled at 4 fps: 0.5 s a patch, 2 positions apart). sequence_logprobs must equal the
-    model's own forward given the video's second_per_grid_ts. Planted: our positions without the video's time
-    spacing (the rows' second_per_grid_ts dropped: 4 apart, the default of 1 s: 0.12 off) and with all its
-    temporal patches at one time (second_per_grid_ts 0: 0.19 off); both failed here."""
+def test_positions_follow_qwens_rule_for_videos(policy):
+    """Hand-computed on the embedded Qwen2.5-VL (tokens_per_second 4): 2 text tokens, a video of 3 temporal
+    patches 0.5 s apart (time step 4 x 0.5 = 2) of 2x2 merged tokens, 2 text tokens, an image of 2x2, 1 text
+    token. Qwen's rule (its reference code, vLLM): the video at t = 2, 4, 6, h and w 2..3; the text after it at
+    its largest position + 1 = 7, 8; the image at 9 (h, w 9..10); the last token at 11. Planted: the text after
+    the video where transformers 5.25 puts it (text_after_video_positions skipped: 4, 5, the image at 6) and the
+    video's time spacing dropped (second_per_grid_ts not passed: t = 2, 6, 10); both failed here."""
+    from vlm_grpo_ma.model.prompts import VisionGrids, _rope_positions
+
+    text, video, image = 7, policy.video_token_id, policy.image_token_id
+    ids = torch.tensor([[text, text] + [video] * 12 + [text, text] + [image] * 4 + [text]])
+    grids = VisionGrids(image=torch.tensor([[1, 4, 4]]), video=torch.tensor([[3, 4, 4]]), video_seconds=torch.tensor([0.5]))
+    positions = _rope_positions(policy, ids, torch.ones_like(ids), grids)[:, 0]
+    t_video = [2] * 4 + [4] * 4 + [6] * 4
+    h_video = [2, 2, 3, 3] * 3
+    w_video = [2, 3, 2, 3] * 3
+    expected = torch.tensor([
+        [0, 1, *t_video, 7, 8, 9, 9, 9, 9, 11],
+        [0, 1, *h_video, 7, 8, 9, 9, 10, 10, 11],
+        [0, 1, *w_video, 7, 8, 9, 10, 9, 10, 11],
+    ])  # fmt: skip
+    assert positions.tolist() == expected.tolist()
+    # left padding moves nothing: the padded row's real tokens get the same positions
+    padded = torch.cat([torch.zeros((1, 3), dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros((1, 3), dtype=torch.long), torch.ones_like(ids)], dim=1)
+    assert _rope_positions(policy, padded, mask, grids)[:, 0, 3:].tolist() == expected.tolist()
+
+
+def test_video_logprobs_equal_the_models_own_forward_at_those_positions(policy, clip_dir):
+    """A real clip (16 frames at 8 fps, sampled at 4 fps: 0.5 s a patch): sequence_logprobs equals the model's
+    own forward given the video's pixels, grid and the positions above (what the features are and where they
+    go is the model's; the positions are the test above's). Planted: the video's pixel rows reversed on their way
+    to the vision tower (0.39 off)."""
+    from vlm_grpo_ma.model.prompts import VisionGrids, _rope_positions
+
     path = write_clip(clip_dir / "fast.mp4", frames=16, fps=8)
     policy.video_budget = VideoBudget(fps=4.0, max_frames=16, max_pixels=56 * 56)
     try:
@@ -129,10 +158,10 @@ def test_video_frames_get_time_positions(policy, clip_dir):
     ids = torch.tensor([prompt.input_ids + completion])
     with torch.no_grad():
         ours = sequence_logprobs(policy, [prompt], [0], [completion], temperature=1.0)[0]
-        policy.model.model.rope_deltas = None
+        positions = _rope_positions(policy, ids, torch.ones_like(ids), VisionGrids.of([prompt]))
         logits = policy.model(
-            input_ids=ids, pixel_values_videos=prompt.pixel_values_videos, video_grid_thw=prompt.video_grid_thw,
-            second_per_grid_ts=prompt.video_seconds_per_grid,
+            input_ids=ids, position_ids=positions, pixel_values_videos=prompt.pixel_values_videos,
+            video_grid_thw=prompt.video_grid_thw, second_per_grid_ts=prompt.video_seconds_per_grid,
             mm_token_type_ids=2 * (ids == policy.video_token_id).int(),
         ).logits[0]  # fmt: skip
         reference = torch.log_softmax(logits.float(), -1)

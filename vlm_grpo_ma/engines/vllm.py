@@ -4,7 +4,9 @@ Stage 1 sends each prompt (its image as ``multi_modal_data``) with ``n = K`` and
 text (a thought that reaches its limit gets the closing tag forced, as the HF engine does). Stage 2 sends each
 thought as prompt ids + thought ids with ``n = M``: the prompt's and thought's KV blocks are found in the
 prefix cache, not recomputed. Prompts are sent as token ids with one image placeholder per image (vLLM expands
-it to the image's patch count; already-expanded ids would be expanded again).
+it to the image's patch count; already-expanded ids would be expanded again). Videos likewise: one placeholder per
+video, the frames and metadata the HF path gives its processor (``video_item``); vLLM's own mRoPE positions are
+the trainer's (``prompts.text_after_video_positions``; docs/VLLM.md, "Video").
 
 Every process of a launch hosts the engine in-process: one process alone runs vLLM's own single-worker
 executor; a launch of N processes gives vLLM its process group (``distributed_executor_backend=
@@ -48,6 +50,7 @@ from vlm_grpo_ma.engines.rollout import Rollout, rollout_from_tree
 from vlm_grpo_ma.model import linear_attention
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import EncodedPrompt, open_image
+from vlm_grpo_ma.task_api.videos import DecodedVideo, decode_video
 
 INSTALL_COMMAND = "scripts/setup.sh --vllm"
 BLOCK_SIZE = 32  # tokens per KV block: the CPU backend's smallest; only full blocks are shared between requests
@@ -105,13 +108,39 @@ def hybrid_model(model_dir: str) -> bool:
     return linear_attention.is_hybrid(AutoConfig.from_pretrained(model_dir))
 
 
-def unexpanded_ids(input_ids: Sequence[int], image_token_id: int) -> list[int]:
-    """Prompt ids with each run of image placeholders collapsed to one (the form vLLM expands itself)."""
+def unexpanded_ids(input_ids: Sequence[int], image_token_id: int, video_token_id: int | None = None) -> list[int]:
+    """Prompt ids with each run of image (and video) placeholders collapsed to one (the form vLLM expands itself)."""
+    placeholders = {image_token_id} if video_token_id is None else {image_token_id, video_token_id}
     out: list[int] = []
     for token in input_ids:
-        if not (token == image_token_id and out and out[-1] == image_token_id):
+        if not (token in placeholders and out and out[-1] == token):
             out.append(token)
     return out
+
+
+# The HF processor's video settings for frames already chosen and sized (prompts._video_inputs): scoped to the
+# video processor (a flat do_resize=False would reach the images too), sent with every request that holds a video.
+VIDEO_PROCESSOR_KWARGS = {"videos_kwargs": {"do_sample_frames": False, "do_resize": False}}
+
+
+def video_item(video: DecodedVideo) -> tuple:
+    """A decoded video as vLLM's Qwen-VL processors take pre-sampled frames: (uint8 frames [T, H, W, 3], metadata).
+    The metadata is what the HF path gives the processor (``prompts._video_inputs``): the source's frame count and
+    fps and the chosen frames' indices, from which the processor computes the sampled fps (Qwen2.5-VL's
+    second_per_grid_ts, Qwen3-VL's timestamps); ``do_sample_frames`` False (Qwen3-VL reads it from here,
+    Qwen2.5-VL drops it and takes VIDEO_PROCESSOR_KWARGS')."""
+    frames = video.frames.permute(0, 2, 3, 1).contiguous().numpy()
+    metadata = {
+        "total_num_frames": video.total_frames,
+        "fps": video.source_fps,
+        "frames_indices": list(video.frame_indices),
+        "width": int(video.frames.shape[-1]),
+        "height": int(video.frames.shape[-2]),
+        "duration": video.total_frames / video.source_fps,
+        "video_backend": "pyav",
+        "do_sample_frames": False,
+    }
+    return frames, metadata
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -158,6 +187,7 @@ class VLLMEngine:
         dtype: str,
         seed: int,
         max_images: int = 1,  # images per prompt the engine reserves room for (the run: the data's most)
+        max_videos: int = 0,  # videos per prompt, likewise
         gpu_memory_utilization: float = 0.35,
         kv_cache_gib: float = 1.0,
         tensor_parallel_size: int = 1,
@@ -195,7 +225,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
             block_size=BLOCK_SIZE,
             enforce_eager=not on_gpu,  # CPU: starts in seconds; GPU: CUDA graphs
-            limit_mm_per_prompt={"image": max_images, "video": 0},
+            limit_mm_per_prompt={"image": max_images, "video": max_videos},
             mm_processor_kwargs=pixels or None,
             disable_log_stats=False,  # the prefix-cache counters
             logprobs_mode="processed_logprobs",  # after temperature and the suppressed tokens, as the trainer's
@@ -206,7 +236,7 @@ class VLLMEngine:
             **hybrid,
         )
         self.dtype = getattr(torch, dtype)
-        self.sleep, self.max_images = sleep, max_images
+        self.sleep, self.max_images, self.max_videos = sleep, max_images, max_videos
         self.asleep = False  # put to sleep for the update (vllm_sleep), woken by the push that follows it
         # The CPU worker replaces torch.set_num_threads with a warning, which image processing then prints
         # thousands of times a step; the thread count is the engine's either way.
@@ -289,16 +319,23 @@ class VLLMEngine:
         thought_params = SamplingParams(n=num_thoughts, max_tokens=max(settings.max_thought_tokens - len(close_ids), 1),
                                         stop=[settings.thought_stop], **common)  # fmt: skip
         answer_params = SamplingParams(n=num_answers, max_tokens=settings.max_answer_tokens, stop=[settings.answer_stop], **common)
+        # Decoded here, before the engine is called: a broken image or video raises ImageLoadError / VideoLoadError
+        # (the trainer skips and counts the sample). Videos as the HF path decodes them (prompts.encode_prompt).
         images = [[open_image(image) for image in sample.images] for sample in samples]
-        if max(map(len, images), default=0) > self.max_images:
-            raise ValueError(
-                f"a prompt has {max(map(len, images))} images; the vllm engine was started for at most {self.max_images}"
-                " (the run starts it for the most any training prompt holds)"
-            )
-        heads = [unexpanded_ids(p.input_ids, policy.image_token_id) for p in prompts]
+        videos = [[video_item(decode_video(video, policy.video_budget, factor=policy.patch_factor))
+                   for video in sample.videos] for sample in samples]  # fmt: skip
+        for kind, items, most in (("images", images, self.max_images), ("videos", videos, self.max_videos)):
+            if max(map(len, items), default=0) > most:
+                raise ValueError(
+                    f"a prompt has {max(map(len, items))} {kind}; the vllm engine was started for at most {most}"
+                    " (the run starts it for the most any training prompt holds)"
+                )
+        heads = [unexpanded_ids(p.input_ids, policy.image_token_id, policy.video_token_id) for p in prompts]
 
         def request(b: int, ids: list[int]) -> dict:
-            return {"prompt_token_ids": ids, **({"multi_modal_data": {"image": images[b]}} if images[b] else {})}
+            data = {kind: items[b] for kind, items in (("image", images), ("video", videos)) if items[b]}
+            extra = {"mm_processor_kwargs": VIDEO_PROCESSOR_KWARGS} if videos[b] else {}
+            return {"prompt_token_ids": ids, **({"multi_modal_data": data} if data else {}), **extra}
 
         stage1_requests = [request(b, heads[b]) for b in range(len(prompts))]
         self._prefill_first(stage1_requests)
@@ -309,7 +346,7 @@ class VLLMEngine:
             if list(output.prompt_token_ids) != list(prompts[b].input_ids):
                 raise RuntimeError(
                     f"vLLM expanded prompt {b} to {len(output.prompt_token_ids)} tokens, the trainer's processor to"
-                    f" {len(prompts[b].input_ids)}: the engine and the trainer would see different images"
+                    f" {len(prompts[b].input_ids)}: the engine and the trainer would see different images or videos"
                 )
             for completion in output.outputs:
                 ids, logprobs = _ids_and_logprobs(completion)
@@ -342,7 +379,7 @@ class VLLMEngine:
             answer_ids=answer_ids,
             answer_logprobs=answer_logprobs,
             answer_truncated=answer_truncated,
-            vision_images_encoded=sum(len(i) for i in images),
+            vision_images_encoded=sum(map(len, images)) + sum(map(len, videos)),
         )
 
     def _prefill_first(self, requests: list[dict]) -> None:

@@ -173,7 +173,8 @@ def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPr
 def _rope_positions(policy: Policy, input_ids: torch.Tensor, attention_mask: torch.Tensor, grids: VisionGrids):
     """mRoPE position ids [3, N, L] for a padded batch (pad positions get 0). Image tokens are type 1, video
     tokens type 2: a video's temporal patches get time positions (Qwen2.5-VL: spaced by its seconds per
-    patch), an image's all share one."""
+    patch), an image's all share one. The text after a video starts at the video's largest position + 1
+    (``text_after_video_positions``)."""
     token_types = (input_ids == policy.image_token_id).int() + 2 * (input_ids == policy.video_token_id).int()
     videos = {}
     if grids.video.shape[0]:
@@ -185,6 +186,42 @@ def _rope_positions(policy: Policy, input_ids: torch.Tensor, attention_mask: tor
         attention_mask=attention_mask,
         **videos,
     )
+    if grids.video.shape[0]:
+        positions = text_after_video_positions(positions, token_types, attention_mask)
+    return positions
+
+
+VIDEO_TOKEN_TYPE = 2
+
+
+def text_after_video_positions(positions: torch.Tensor, token_types: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``positions`` [3, N, L] with everything after each video moved up so that the next token sits at the
+    video's largest position (over its three components) + 1.
+
+    That is where Qwen's reference code, which the Qwen2-VL and Qwen2.5-VL checkpoints were trained with, and
+    vLLM put it. transformers >= 5.3 (5.25 here; huggingface/transformers#45381) puts it at the video's start
+    + max(h, w) / merge, its spatial extent only: when the video's time span is longer (more temporal patches,
+    or Qwen2.5-VL's seconds per patch x tokens_per_second), the text after it reuses positions inside the
+    video's time range. Images, and Qwen3-VL's and Qwen3.5's videos (one temporal patch per frame, timestamps
+    in the text), are not moved."""
+    positions = positions.clone()
+    for row in range(positions.shape[1]):
+        real = attention_mask[row].bool()
+        types = token_types[row][real].tolist()
+        if VIDEO_TOKEN_TYPE not in types:
+            continue
+        row_positions = positions[:, row, real]  # [3, real length], a copy
+        shift, start = 0, 0
+        while start < len(types):
+            end = start
+            while end < len(types) and types[end] == types[start]:
+                end += 1
+            row_positions[:, start:end] += shift
+            if types[start] == VIDEO_TOKEN_TYPE and end < len(types):
+                following = int(row_positions[0, end]) + shift  # where transformers starts what follows
+                shift += max(0, int(row_positions[:, start:end].max()) + 1 - following)
+            start = end
+        positions[:, row, real] = row_positions
     return positions
 
 

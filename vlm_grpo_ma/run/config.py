@@ -20,7 +20,6 @@ import yaml
 from vlm_grpo_ma.algorithm.advantages import ADVANTAGE_ESTIMATORS
 from vlm_grpo_ma.algorithm.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
 from vlm_grpo_ma.engines.decode import SEED_STRIDE
-from vlm_grpo_ma.task_api.videos import VideoBudget
 
 
 class ConfigError(ValueError):
@@ -34,12 +33,9 @@ class ModelConfig:
     attn_implementation: str = "auto"  # auto: flash_attention_2 when installed on a GPU, else sdpa
     min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
     max_pixels: int | None = None
-    # How much of each video the model sees (task_api/videos.py): frames sampled video_fps a second, at most
-    # video_max_frames of them (evenly over a longer clip), each resized to at most video_max_pixels pixels.
-    # A video cut down to these says so once in the log.
-    video_fps: float = 2.0
-    video_max_frames: int = 16
-    video_max_pixels: int = 128 * 28 * 28
+    video_fps: float = 2.0  # each video (task_api/videos.py): frames sampled this many a second,
+    video_max_frames: int = 16  # at most this many (evenly over a longer clip; a cut is logged once),
+    video_max_pixels: int = 128 * 28 * 28  # each resized to at most this many pixels
     gradient_checkpointing: bool = False
     # keep the vision tower (and its merger) fixed and train the language model only; false trains it too
     freeze_vision: bool = True
@@ -49,11 +45,6 @@ class ModelConfig:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )  # module-name suffixes in the language model that get adapters
-
-
-def video_budget(model: ModelConfig) -> VideoBudget:
-    """The model section's video budget, as the policy carries it."""
-    return VideoBudget(fps=model.video_fps, max_frames=model.video_max_frames, max_pixels=model.video_max_pixels)
 
 
 @dataclass
@@ -247,10 +238,7 @@ POSITIVE = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "logging.log_every",
-    "model.min_pixels",
-    "model.max_pixels",
-    "model.video_fps",
-    "model.video_max_pixels",
+    "model.min_pixels", "model.max_pixels", "model.video_fps", "model.video_max_pixels",
 )
 NON_NEGATIVE = (
     "algorithm.eps",
@@ -359,7 +347,7 @@ def validate(cfg: Config) -> Config:
         )
     if None not in (cfg.model.min_pixels, cfg.model.max_pixels) and cfg.model.min_pixels > cfg.model.max_pixels:
         raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} must be <= model.max_pixels={cfg.model.max_pixels}")
-    if cfg.model.video_max_frames < 2:  # frames go to the vision tower in pairs (its temporal patch)
+    if cfg.model.video_max_frames < 2:  # the vision tower takes frames in pairs (its temporal patch)
         raise ConfigError(f"model.video_max_frames={cfg.model.video_max_frames} must be >= 2")
     draws = 1 + cfg.algorithm.dynamic_sampling_max_draws if cfg.algorithm.dynamic_sampling else 1
     if draws * cfg.train.prompts_per_step > SEED_STRIDE:

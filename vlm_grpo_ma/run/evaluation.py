@@ -22,6 +22,7 @@ from vlm_grpo_ma.task_api.drawing import with_legend
 from vlm_grpo_ma.task_api.images import ImageLoadError
 from vlm_grpo_ma.task_api.registry import Sample, Task
 from vlm_grpo_ma.task_api.reward_pool import RewardTimeout
+from vlm_grpo_ma.task_api.videos import VideoBudget, decode_video, frame_strip
 
 log = logging.getLogger("vlm_grpo_ma.evaluate")
 
@@ -240,23 +241,42 @@ def _read_complete_records(path: Path, per_sample: int) -> list[dict]:
     return complete
 
 
-def draw_predictions(task: Task, samples: Sequence[Sample], records: Sequence[dict], folder: Path, count: int) -> int:
+def draw_predictions(
+    task: Task,
+    samples: Sequence[Sample],
+    records: Sequence[dict],
+    folder: Path,
+    count: int,
+    *,
+    video_budget: VideoBudget | None = None,
+    patch_factor: int = 28,
+) -> int:
     """PNG files of the first ``count`` samples with the first answer's prediction and the truth drawn, and a
-    legend of the two colours below."""
+    legend of the two colours below. A sample with images is drawn on its first image; one with videos only,
+    on a strip of its first video's frames as the model saw them (decoded under ``video_budget``, sides a
+    multiple of ``patch_factor``: pass the policy's ``video_budget`` and ``patch_factor``)."""
     if task.draw is None or count <= 0:
         return 0
     by_id = {r["id"]: r for r in records if r["sample_index"] == 0}
     folder.mkdir(parents=True, exist_ok=True)
     drawn = 0
-    for index, sample in enumerate(s for s in samples if s.images and s.id in by_id):
+    for index, sample in enumerate(s for s in samples if (s.images or s.videos) and s.id in by_id):
         if drawn == count:
             break
         try:
-            image = task.draw(open_image(sample.images[0]), sample, by_id[sample.id]["prediction"])
-        except Exception as error:  # noqa: BLE001 - a picture is never worth a crash
+            picture = _picture(sample, video_budget or VideoBudget(), patch_factor)
+            image = task.draw(picture, sample, by_id[sample.id]["prediction"])
+        except Exception as error:  # noqa: BLE001 - a picture is never worth a crash (a broken image or video: none)
             log.warning("could not draw sample %s: %s", sample.id, error)
             continue
         safe_id = "".join(c if c.isalnum() or c in "-_." else "_" for c in sample.id)
         with_legend(image).save(folder / f"{index:03d}-{safe_id}.png")
         drawn += 1
     return drawn
+
+
+def _picture(sample: Sample, video_budget: VideoBudget, patch_factor: int):
+    """What a sample's prediction is drawn on: its first image, or a strip of its first video's frames."""
+    if sample.images:
+        return open_image(sample.images[0])
+    return frame_strip(decode_video(sample.videos[0], video_budget, factor=patch_factor))

@@ -64,7 +64,10 @@ def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path
             folder.mkdir(parents=True, exist_ok=True)
             with open(folder / f"{name}.jsonl", "w", encoding="utf-8") as sink:
                 sink.writelines(json.dumps(record) + "\n" for record in records)
-            draw_predictions(task, samples, records, folder / "draw" / name, cfg.logging.eval_drawings)
+            draw_predictions(
+                task, samples, records, folder / "draw" / name, cfg.logging.eval_drawings,
+                video_budget=policy.video_budget, patch_factor=policy.patch_factor,
+            )
         task_metrics = summarize_records(task, records, settings.samples)
         metrics.update({f"eval/{name}/{key}": value for key, value in task_metrics.items()})
     return metrics

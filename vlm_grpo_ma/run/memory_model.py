@@ -29,7 +29,8 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   optimizer state count every expert (``parameter_counts``); without it the rows are tree-shared (each prompt and thought of the micro-batch encoded
   once, ``logprobs.shared_prefix_logprobs``) and every layer's tensors of those tokens are kept. The log-prob
   head: the scored positions' logits in the compute dtype, their fp32 copy, log-softmax and its gradient
-  (3 x 4 bytes). A trained vision tower adds its checkpointed block inputs for the micro-batch's images.
+  (3 x 4 bytes). A trained vision tower adds its checkpointed block inputs for the micro-batch's images and
+  videos.
 - KV cache (the rollout's peak): keys and values of every layer for the process's prompts x (K x M + K) rows
   (the K thought rows and their K x M copies exist together while the cache is repeated), each of prompt +
   thought + answer tokens, values in the compute dtype and keys in the weights' (the rotary embedding promotes
@@ -48,7 +49,9 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
 
 The peak is weights + optimizer + reference + the larger of (rollout: KV cache [+ FSDP gather] or the engine's
 share and one pushed tensor) and (update: gradients + activations [+ the engine's share unless it sleeps]). A prompt is its visual tokens (``model.max_pixels`` / (patch x merge)^2) plus
-``prompt_text_tokens`` (64: system prompt and instruction). Not counted: CUDA context and allocator slack
+``prompt_text_tokens`` (64: system prompt and instruction), plus, for data with videos (``videos_per_prompt``:
+the most videos a sample holds), each video's tokens at the budget's limit (``video_tokens``:
+``model.video_max_frames`` / temporal patch x ``model.video_max_pixels`` / (patch x merge)^2). Not counted: CUDA context and allocator slack
 (~1-3 GB on a GPU), image preprocessing on the host. ``scripts/check_real_size.py`` compares the one-process
 prediction with the peak RSS measured on a CPU; ``scripts/check_two_process.py --strategy fsdp`` prints the
 per-rank parameter, gradient, optimizer and reference bytes the FSDP split is checked against.
@@ -124,6 +127,13 @@ def visual_tokens(arch: Architecture, max_pixels: int | None) -> int:
     pixels = max_pixels if max_pixels is not None else 168 * 168
     merged_patch = arch.vision["patch_size"] * arch.vision["spatial_merge_size"]
     return pixels // merged_patch**2
+
+
+def video_tokens(arch: Architecture, max_frames: int, max_pixels: int) -> int:
+    """Decoder tokens of the longest, largest video the budget lets through (``model.video_max_frames`` frames
+    of ``model.video_max_pixels`` pixels): the vision tower takes frames in groups of ``temporal_patch_size``
+    (decoding samples an even count of at most ``max_frames``) and each group gives one frame's visual tokens."""
+    return max_frames // arch.vision["temporal_patch_size"] * visual_tokens(arch, max_pixels)
 
 
 def trained_counts(arch: Architecture, cfg: Config) -> tuple[int, int, int]:
@@ -303,12 +313,15 @@ def decode_cache_bytes(arch: Architecture, cfg: Config, rows: int, tokens: int) 
 
 def estimate(
     arch: Architecture, cfg: Config, processes: int = 1, strategy: str = "ddp", prompt_text_tokens: int = PROMPT_TEXT_TOKENS,
-    device_bytes: int | None = None,
+    device_bytes: int | None = None, videos_per_prompt: int = 0,
 ) -> MemoryEstimate:  # fmt: skip
     """The bytes per GPU of ``cfg`` on ``processes`` GPUs under ``strategy``. ``device_bytes``: one GPU's memory,
-    needed where the vLLM engine samples (it takes a share of it)."""
+    needed where the vLLM engine samples (it takes a share of it). ``videos_per_prompt``: the most videos a
+    sample of the run's data holds (0: data without videos adds nothing)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if videos_per_prompt < 0:
+        raise ValueError(f"videos_per_prompt {videos_per_prompt}: must be >= 0")
     if processes < 1 or cfg.train.prompts_per_step % processes:
         raise ValueError(f"processes {processes}: must be >= 1 and divide train.prompts_per_step ({cfg.train.prompts_per_step})")
     shard = processes if strategy == "fsdp" else 1
@@ -336,7 +349,11 @@ def estimate(
     kinds = layer_types(t)
     thought_tokens, answer_tokens = cfg.rollout.max_thought_tokens, cfg.rollout.max_answer_tokens
     completion = thought_tokens + answer_tokens
-    prompt_tokens = visual_tokens(arch, cfg.model.max_pixels) + prompt_text_tokens
+    # a prompt's visual tokens: one image at model.max_pixels and its videos at the video budget's limit
+    prompt_visual_tokens = visual_tokens(arch, cfg.model.max_pixels) + videos_per_prompt * video_tokens(
+        arch, cfg.model.video_max_frames, cfg.model.video_max_pixels
+    )
+    prompt_tokens = prompt_visual_tokens + prompt_text_tokens
     sequence = prompt_tokens + completion
     micro = min(cfg.train.micro_batch_rows, rows)
     if cfg.model.gradient_checkpointing:  # rows re-encoded; layer inputs kept, one layer recomputed at a time
@@ -357,10 +374,11 @@ def estimate(
     if not cfg.model.freeze_vision and cfg.model.lora_rank == 0:
         v = arch.vision
         width = v.get("embed_dim") or v["hidden_size"]
-        images = visual_tokens(arch, cfg.model.max_pixels)
-        patches = images * v["spatial_merge_size"] ** 2
-        distinct_images = min(micro, prompts)  # rows of one prompt share its image's encoding
-        vision = distinct_images * patches * width * a * v["depth"]
+        # the tower's tokens are patches before merging: merge^2 per visual token (a video's, of
+        # temporal_patch_size frames each)
+        patches = prompt_visual_tokens * v["spatial_merge_size"] ** 2
+        distinct_prompts = min(micro, prompts)  # rows of one prompt share its images' and videos' encoding
+        vision = distinct_prompts * patches * width * a * v["depth"]
     activations = decoder + head + lora_casts + vision
 
     kv_rows = prompts * (k * m + k)
@@ -398,19 +416,26 @@ def _with_tree(cfg: Config, thoughts: int, answers: int) -> Config:
     return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, num_thoughts=thoughts, num_answers=answers))
 
 
-def tree_too_large(arch: Architecture, cfg: Config, processes: int, strategy: str, memory_bytes: int) -> str | None:
+def tree_too_large(
+    arch: Architecture, cfg: Config, processes: int, strategy: str, memory_bytes: int, *, videos_per_prompt: int = 0
+) -> str | None:  # fmt: skip
     """Why the run's K x M cannot fit in ``memory_bytes`` per process by this model's own estimate, naming the
     keys and the largest tree that fits; None when the estimated peak fits, or when even K = 2, M = 1 (the
     smallest tree a config allows) does not: then the model or the micro-batch is what is too large, not the
     tree, and the estimate leaves out what a user may add against that, such as offloading. Only the estimate's peak against the whole memory: the
-    CUDA context and the allocator's slack are not counted, so a run this refuses cannot fit."""
+    CUDA context and the allocator's slack are not counted, so a run this refuses cannot fit. ``videos_per_prompt``:
+    as ``estimate``'s."""
     k, m = cfg.rollout.num_thoughts, cfg.rollout.num_answers
-    run = estimate(arch, cfg, processes, strategy)
-    if run.peak <= memory_bytes or estimate(arch, _with_tree(cfg, 2, 1), processes, strategy).peak > memory_bytes:
+
+    def peak(thoughts: int, answers: int) -> int:
+        return estimate(arch, _with_tree(cfg, thoughts, answers), processes, strategy, videos_per_prompt=videos_per_prompt).peak
+
+    run = estimate(arch, cfg, processes, strategy, videos_per_prompt=videos_per_prompt)
+    if run.peak <= memory_bytes or peak(2, 1) > memory_bytes:
         return None
 
     def fits(thoughts: int, answers: int) -> bool:
-        return estimate(arch, _with_tree(cfg, thoughts, answers), processes, strategy).peak <= memory_bytes
+        return peak(thoughts, answers) <= memory_bytes
 
     answers = max((a for a in range(1, m + 1) if fits(k, a)), default=0)
     if answers:

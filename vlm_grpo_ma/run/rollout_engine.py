@@ -33,11 +33,13 @@ def engine_dtype(cfg: Config) -> str:
     return "bfloat16" if cfg.train.mixed_precision == "bf16" else cfg.model.dtype
 
 
-def make_engine(cfg: Config, policy, *, max_images: int = 1, num_processes: int = 1, process_index: int = 0):
+def make_engine(cfg: Config, policy, *, max_images: int = 1, max_videos: int = 0, num_processes: int = 1,
+                process_index: int = 0):
     """The engine ``rollout.engine`` names, ready to sample with ``policy``'s current weights. vLLM's (one per
     group of ``rollout.vllm_tensor_parallel_size`` processes of the launch): the policy's model folder, the
-    run's precision, room for ``max_images`` images a prompt (the data's most), then the policy's current
-    weights (a resumed or LoRA run's differ from the folder's). Every process of a launch calls it."""
+    run's precision, room for ``max_images`` images and ``max_videos`` videos a prompt (the data's most), then
+    the policy's current weights (a resumed or LoRA run's differ from the folder's). Every process of a launch
+    calls it."""
     check_engine(cfg, num_processes)
     if cfg.rollout.engine == "hf":
         from vlm_grpo_ma.engines.hf import HFEngine
@@ -55,6 +57,7 @@ def make_engine(cfg: Config, policy, *, max_images: int = 1, num_processes: int 
         num_processes=num_processes,
         process_index=process_index,
         max_images=max(max_images, 1),
+        max_videos=max_videos,
         sleep=cfg.rollout.vllm_sleep,
         min_pixels=cfg.model.min_pixels,
         max_pixels=cfg.model.max_pixels,

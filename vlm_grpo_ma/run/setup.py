@@ -25,7 +25,7 @@ from vlm_grpo_ma.model.logprobs import CompletionScorer
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run import sharding, survive
 from vlm_grpo_ma.run.batch import TrainBatch
-from vlm_grpo_ma.run.config import Config, ConfigError, save_config, video_budget
+from vlm_grpo_ma.run.config import Config, ConfigError, save_config
 from vlm_grpo_ma.run.distributed import main_process_value, make_accelerator
 from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.run.memory_model import tree_too_large
@@ -53,6 +53,7 @@ from vlm_grpo_ma.task_api.registry import (
     load_samples,
 )
 from vlm_grpo_ma.task_api.streams import PromptStream, TaskMixture
+from vlm_grpo_ma.task_api.videos import VideoBudget
 
 log = logging.getLogger("vlm_grpo_ma.train")
 
@@ -124,10 +125,12 @@ def device_memory_bytes(device: torch.device) -> int:
     return host // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def check_tree_fits(cfg: Config, accelerator) -> None:
+def check_tree_fits(cfg: Config, accelerator, videos_per_prompt: int = 0) -> None:
     """ConfigError when the memory model (``memory_model.tree_too_large``) predicts that the run's K x M trees
     cannot fit in a process's memory. The HF engine's KV cache is what it counts: a vLLM engine sizes its own
-    cache, and a model the memory model does not know is not checked."""
+    cache, and a model the memory model does not know is not checked. Called before anything loads (no
+    videos counted), and again once the data is known if its prompts hold videos (``videos_per_prompt``, the
+    most any prompt holds, each at the run's video budget)."""
     if cfg.rollout.engine != "hf":
         return
     try:
@@ -136,7 +139,9 @@ def check_tree_fits(cfg: Config, accelerator) -> None:
         log.debug("memory check skipped: %s", error)
         return
     strategy = "fsdp" if accelerator.num_processes > 1 and sharding.launch_settings() is not None else "ddp"
-    problem = tree_too_large(arch, cfg, accelerator.num_processes, strategy, device_memory_bytes(accelerator.device))
+    problem = tree_too_large(
+        arch, cfg, accelerator.num_processes, strategy, device_memory_bytes(accelerator.device), videos_per_prompt=videos_per_prompt
+    )  # fmt: skip
     if problem is not None:
         raise ConfigError(problem)
 
@@ -154,6 +159,9 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     with count_load_skips() as load_skips:  # rows dropped at load (an unreadable image), counted below
         tasks, stream = load_prompt_stream(cfg)
     eval_sets = load_eval_sets(cfg, tasks)
+    max_videos = max(len(sample.videos) for sample in stream.samples)
+    if max_videos:  # the start's check counted no video tokens: again, with the data's
+        check_tree_fits(cfg, accelerator, videos_per_prompt=max_videos)
 
     with survive.together(accelerator):  # the main process chooses the checkpoint; the others load that one
         last, history_state = checkpoint_to_resume(run_dir, resume) if is_main else (None, None)
@@ -235,7 +243,8 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
         counters[f"skipped_{reason}_at_load"] = n
     # Last, so that nothing between here and train()'s try can fail with an engine to end (close). After a
     # resume's weights are loaded: the engine gets those. Room for the most images any training prompt holds.
-    engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples), max_videos=max(len(sample.videos) for sample in stream.samples),
+    engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples),
+                         max_videos=max_videos,
                          num_processes=num_processes, process_index=accelerator.process_index)  # fmt: skip
     return RunState(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
@@ -354,7 +363,7 @@ def load_model_policy(cfg: Config, model_path: str, device) -> Policy:
             min_pixels=cfg.model.min_pixels,
             max_pixels=cfg.model.max_pixels,
             device=device,
-            video_budget=video_budget(cfg.model),
+            video_budget=VideoBudget(cfg.model.video_fps, cfg.model.video_max_frames, cfg.model.video_max_pixels),
         )
     except (FileNotFoundError, ValueError) as error:  # a missing folder, an unsupported model family
         raise ConfigError(f"model.name_or_path={model_path}: {error}") from error

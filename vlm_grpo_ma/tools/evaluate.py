@@ -10,7 +10,9 @@ Decoding is greedy by default; ``--samples N`` samples N answers per prompt (eac
 they are made, so an interrupted evaluation resumes where it stopped when the same command is run again.
 
 Outputs under ``--output-dir`` (default ``evals/<models>--<tasks>``): ``<model>/<task>-<split>/samples.jsonl`` (id, thought, answer, parsed
-prediction, reward parts), ``.../draw/*.png`` (prediction in red, truth in green, for tasks that draw),
+prediction, reward parts), ``.../draw/*.png`` (prediction in red, truth in green, for tasks that draw; a video
+sample on a strip of its first video's frames, decoded under ``--video-fps`` / ``--video-max-frames`` /
+``--video-max-pixels``, by default the run's own ``model.video_*``),
 ``results.json`` and ``results.md`` (one column per model). Training scores its held-out samples with the same
 code (``run/evaluation.py``) every ``train.eval_every`` steps.
 """
@@ -26,12 +28,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from vlm_grpo_ma.model.loading import Policy, checked_model_path, load_policy
 from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run import checkpoint as ckpt
+from vlm_grpo_ma.run.config import ModelConfig
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules, load_samples
+from vlm_grpo_ma.task_api.videos import VideoBudget
 
 log = logging.getLogger("vlm_grpo_ma.evaluate")
 
@@ -44,6 +49,21 @@ log = logging.getLogger("vlm_grpo_ma.evaluate")
 class ModelSpec:
     label: str  # column name in the results
     path: str  # what load_policy gets
+    video_budget: VideoBudget | None = None  # a run's model.video_* (its config.yaml); None: not a run's model
+
+
+def run_video_budget(run_dir: Path) -> VideoBudget | None:
+    """The video budget a run trained with (``model.video_*`` of its saved config.yaml), or None without one."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return None
+    model = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("model") or {}
+    defaults = ModelConfig()
+    return VideoBudget(
+        fps=float(model.get("video_fps", defaults.video_fps)),
+        max_frames=int(model.get("video_max_frames", defaults.video_max_frames)),
+        max_pixels=int(model.get("video_max_pixels", defaults.video_max_pixels)),
+    )
 
 
 def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
@@ -68,7 +88,7 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
         checkpoint, _, failures = ckpt.newest_that_loads(found, lambda c: ckpt.check_weight_files(c / "model"), passed_over)
         if checkpoint is None:
             raise ValueError(f"no checkpoint of run {path} loads: " + "; ".join(failures))
-        return ModelSpec(f"{path.resolve().name}@{checkpoint.name}", str(checkpoint / "model"))
+        return ModelSpec(f"{path.resolve().name}@{checkpoint.name}", str(checkpoint / "model"), run_video_budget(path))
     if path.exists():
         model = path / "model" if (path / "model").is_dir() and (path / "state.pt").is_file() else path
         try:
@@ -76,7 +96,8 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
         except ckpt.CheckpointLoadError as error:
             raise ValueError(str(error)) from None
         if model != path:  # one checkpoint folder
-            return ModelSpec(f"{path.resolve().parent.parent.name}@{path.name}", str(model))
+            run_dir = path.resolve().parent.parent
+            return ModelSpec(f"{run_dir.name}@{path.name}", str(model), run_video_budget(run_dir))
         return ModelSpec(path.resolve().name, str(path))
     checked_model_path(spec, "--models")  # a mistyped folder or an unknown hub id: one line, at once
     return ModelSpec(spec.replace("/", "__"), spec)
@@ -138,8 +159,11 @@ def evaluate_models(
     dtype: str = "float32",
     progress: bool = True,
     load: Callable[..., Policy] = load_policy,
+    video_budget: VideoBudget | None = None,
 ) -> dict:
-    """Score every model on every task; write the outputs described in the module docstring."""
+    """Score every model on every task; write the outputs described in the module docstring. Videos are
+    seen, scored and drawn under ``video_budget``; None: each model's run's budget (``ModelSpec.video_budget``),
+    else training's default ``model.video_*``."""
     output_dir.mkdir(parents=True, exist_ok=True)
     data = {}
     for name in task_names:
@@ -148,7 +172,8 @@ def evaluate_models(
         data[name] = (task, samples[:limit] if limit else samples)
     results: dict[str, dict[str, dict[str, float]]] = {}
     for model in models:
-        policy = load(model.path, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+        budget = video_budget or model.video_budget or VideoBudget()
+        policy = load(model.path, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu", video_budget=budget)
         results[model.label] = {}
         for name, (task, samples) in data.items():
             bench = f"{name}-{_benchmark_name(split, sources.get(name))}"
@@ -159,7 +184,9 @@ def evaluate_models(
                 policy, task, samples, settings, batch_size=batch_size, records_path=folder / "samples.jsonl",
                 progress=progress, description=f"{model.label} {bench}",
             )
-            draw_predictions(task, samples, records, folder / "draw", draw)
+            draw_predictions(
+                task, samples, records, folder / "draw", draw, video_budget=policy.video_budget, patch_factor=policy.patch_factor
+            )
             results[model.label][bench] = metrics
             log.info("%s %s: %s", model.label, bench, json.dumps(metrics))
         del policy
@@ -210,6 +237,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draw", type=int, default=8, help="images to draw per model and task (default 8)")
+    # The video budget (training's model.video_* keys, task_api/videos.py). Unset: a run's own (its config.yaml),
+    # else training's defaults; any one set: these, with the defaults for the others.
+    model_defaults = ModelConfig()
+    parser.add_argument("--video-fps", type=float,
+                        help=f"video frames sampled per second (model.video_fps; default: the run's, else {model_defaults.video_fps:g})")
+    parser.add_argument("--video-max-frames", type=int,
+                        help=f"most frames per video (model.video_max_frames; default: the run's, else {model_defaults.video_max_frames})")
+    parser.add_argument("--video-max-pixels", type=int,
+                        help=f"most pixels per video frame (model.video_max_pixels; default: the run's, else {model_defaults.video_max_pixels})")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--output-dir", help="where results go (default: evals/<models>--<tasks>, so an evaluation of"
@@ -227,6 +263,19 @@ def main(argv: list[str] | None = None) -> int:
         for value, name in ((args.limit, "--limit"), (args.batch_size, "--batch-size")):
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+        video_budget = None
+        chosen = {"fps": args.video_fps, "max_frames": args.video_max_frames, "max_pixels": args.video_max_pixels}
+        if any(value is not None for value in chosen.values()):
+            defaults = ModelConfig()
+            video_budget = VideoBudget(
+                fps=defaults.video_fps if args.video_fps is None else args.video_fps,
+                max_frames=defaults.video_max_frames if args.video_max_frames is None else args.video_max_frames,
+                max_pixels=defaults.video_max_pixels if args.video_max_pixels is None else args.video_max_pixels,
+            )
+            if not video_budget.fps > 0 or video_budget.max_pixels < 1:
+                raise ValueError(f"--video-fps={video_budget.fps:g} and --video-max-pixels={video_budget.max_pixels} must be positive")
+            if video_budget.max_frames < 2:  # frames go to the vision tower in pairs (its temporal patch)
+                raise ValueError(f"--video-max-frames={video_budget.max_frames} must be >= 2")
         settings = EvalSettings(
             samples=args.samples, temperature=args.temperature, max_thought_tokens=args.max_thought_tokens,
             max_answer_tokens=args.max_answer_tokens, seed=args.seed,
@@ -240,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = evaluate_models(
             models, args.tasks, split=args.split, sources=sources, settings=settings,
             output_dir=output_dir, limit=args.limit, batch_size=args.batch_size, draw=args.draw,
-            dtype=args.dtype, progress=not args.no_progress,
+            dtype=args.dtype, progress=not args.no_progress, video_budget=video_budget,
         )
     except (ValueError, KeyError, OSError) as error:  # bad arguments, unknown task, missing file or model
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)

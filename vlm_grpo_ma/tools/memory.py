@@ -1,6 +1,7 @@
 """``python -m vlm_grpo_ma.memory``: the memory model (``run/memory_model.py``) of a preset, per GPU.
 
     python -m vlm_grpo_ma.memory --config configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml --processes 8 [--strategy fsdp] [--gpu-gb 80]
+    python -m vlm_grpo_ma.memory --config PRESET --videos-per-prompt 1   # data with a video per sample
     python -m vlm_grpo_ma.memory --all      # every preset on 1 and 8 GPUs of 80 and 141 GB
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from vlm_grpo_ma.model.architectures import Architecture, architecture_of, parameter_counts
 from vlm_grpo_ma.run.config import Config, ConfigError, load_config
-from vlm_grpo_ma.run.memory_model import GPU_SIZES_GB, PARTS, STRATEGIES, estimate, verdict
+from vlm_grpo_ma.run.memory_model import GPU_SIZES_GB, PARTS, STRATEGIES, estimate, verdict, video_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,13 +26,17 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
 
 
-def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_gb: float) -> str:
-    e = estimate(arch, cfg, processes, strategy, device_bytes=int(gpu_gb * 1e9))
+def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_gb: float, videos_per_prompt: int = 0) -> str:
+    e = estimate(arch, cfg, processes, strategy, device_bytes=int(gpu_gb * 1e9), videos_per_prompt=videos_per_prompt)
     lines = [
         f"{cfg.model.name_or_path}: {parameter_counts(arch).total:,} parameters, {e.trained_elements:,} trained; "
         f"{processes} process(es), {strategy}, {e.micro_batches_per_process} micro-batch(es) per process and step",
-        "predicted bytes per GPU (GB = 1e9 bytes):",
     ]
+    if videos_per_prompt:
+        per_video = video_tokens(arch, cfg.model.video_max_frames, cfg.model.video_max_pixels)
+        lines.append(f"{videos_per_prompt} video(s) per prompt, {per_video:,} tokens each (model.video_max_frames="
+                     f"{cfg.model.video_max_frames}, model.video_max_pixels={cfg.model.video_max_pixels})")  # fmt: skip
+    lines.append("predicted bytes per GPU (GB = 1e9 bytes):")
     for part in PARTS:
         lines.append(f"  {part:<12} {getattr(e, part):>16,}  ({_gb(getattr(e, part))} GB)")
     if e.recurrent_states:
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="ddp: every GPU holds the model; fsdp: sharded")
     parser.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory to compare the peak with (default 80)")
     parser.add_argument("--all", action="store_true", help="a table of every preset on 1 and 8 GPUs of 80 and 141 GB")
+    parser.add_argument("--videos-per-prompt", type=int, default=0,
+                        help="the most videos a sample of the data holds, each counted at the model.video_* budget (default 0)")
     parser.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = parser.parse_args(argv)
     if args.all:
@@ -100,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         parser.error("give --config PRESET, or --all")
     try:
+        if args.videos_per_prompt < 0:
+            raise ValueError(f"--videos-per-prompt={args.videos_per_prompt} must be >= 0")
         cfg = load_config(args.config, args.overrides)
         arch = architecture_of(cfg.model.name_or_path)
     except (ConfigError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(report(arch, cfg, args.processes, args.strategy, args.gpu_gb))
+    print(report(arch, cfg, args.processes, args.strategy, args.gpu_gb, args.videos_per_prompt))
     return 0

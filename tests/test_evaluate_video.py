@@ -1,0 +1,98 @@
+"""Evaluation drawings of video samples: drawn on a strip of the first video's frames as the model saw them
+(the policy's video budget and patch factor), a video that does not decode skipped with a warning."""
+
+import logging
+
+from PIL import Image
+from video_clips import write_clip
+
+from vlm_grpo_ma.task_api.registry import Sample, Task, register_task
+from vlm_grpo_ma.tools import evaluate
+
+TASK_NAME = "video_drawing_test"
+
+
+def _clip_samples(folder):
+    """Two samples with an 8-frame 4 fps clip of 56x56 frames each, and one whose video is not a video."""
+    folder.mkdir(parents=True, exist_ok=True)
+    broken = folder / "broken.mp4"
+    broken.write_bytes(b"not a video")
+    return [
+        Sample(TASK_NAME, "a", "What moves?", (), "square", videos=(str(write_clip(folder / "a.mp4")),)),
+        Sample(TASK_NAME, "broken", "What moves?", (), "square", videos=(str(broken),)),
+        Sample(TASK_NAME, "b", "What moves?", (), "square", videos=(str(write_clip(folder / "b.mp4")),)),
+    ]
+
+
+# The samples the throwaway task loads: each test writes its own clips (task names are registered once).
+_CURRENT_SAMPLES: list[Sample] = []
+
+# Its drawing is the strip it is given, as the video task draws on it.
+register_task(Task(
+    TASK_NAME, load=lambda split, source=None: list(_CURRENT_SAMPLES), reward=lambda completion, sample: {"reward": 0.0},
+    instruction="Answer.", draw=lambda image, sample, prediction: image,
+))
+
+
+def _register(folder) -> None:
+    _CURRENT_SAMPLES[:] = _clip_samples(folder)
+
+
+def test_video_samples_are_drawn_on_a_strip_of_their_frames_and_a_broken_video_is_skipped(tmp_path, caplog):
+    """Planted: draw_predictions kept to samples with images (as before videos) -> no drawing was written."""
+    _register(tmp_path / "clips")
+    out = tmp_path / "eval"
+    args = ["--models", "tiny", "--tasks", TASK_NAME, "--max-thought-tokens", "2", "--max-answer-tokens", "2",
+            "--draw", "8", "--output-dir", str(out), "--no-progress"]
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo_ma.evaluate"):
+        assert evaluate.main(args) == 0
+    drawings = sorted((out / "tiny" / f"{TASK_NAME}-test" / "draw").glob("*.png"))
+    assert [p.name for p in drawings] == ["000-a.png", "002-b.png"]
+    # The default budget's 2 fps over an 8-frame 4 fps clip: 4 frames; the tiny model's patch factor is 14 * 2 =
+    # 28, so 56x56 frames stay 56x56; the strip is 4 frames and 3 gaps of 2 pixels wide (the legend keeps it).
+    assert Image.open(drawings[0]).width == 4 * 56 + 3 * 2
+    assert any("could not draw sample broken" in r.getMessage() for r in caplog.records)
+
+
+def test_the_evaluate_commands_video_budget_reaches_the_drawings(tmp_path):
+    """--video-max-frames 2 cuts the clip to 2 frames: the strip is 2 frames wide. Planted: the budget not
+    passed to the policy (the default's 4 frames drawn) -> the width was 230, not 114."""
+    _register(tmp_path / "clips")
+    out = tmp_path / "eval"
+    args = ["--models", "tiny", "--tasks", TASK_NAME, "--max-thought-tokens", "2", "--max-answer-tokens", "2",
+            "--draw", "1", "--video-max-frames", "2", "--output-dir", str(out), "--no-progress"]
+    assert evaluate.main(args) == 0
+    (drawing,) = (out / "tiny" / f"{TASK_NAME}-test" / "draw").glob("*.png")
+    assert Image.open(drawing).width == 2 * 56 + 2
+
+
+def test_frames_are_drawn_at_the_sides_the_patch_factor_gives(tmp_path):
+    """A model of patch 16 and merge 2 sees 56-pixel frames as 64 pixels (the nearest multiple of 32): so are
+    they drawn. Planted: draw_predictions decoding at the default factor 28 -> the strip was 230 wide."""
+    from vlm_grpo_ma.run import evaluation
+    from vlm_grpo_ma.task_api.registry import get_task
+
+    _register(tmp_path / "clips")
+    sample = _CURRENT_SAMPLES[0]
+    record = {"id": sample.id, "sample_index": 0, "prediction": None}
+    drawn = evaluation.draw_predictions(get_task(TASK_NAME), [sample], [record], tmp_path / "draw", 1, patch_factor=32)
+    assert drawn == 1
+    (drawing,) = (tmp_path / "draw").glob("*.png")
+    assert Image.open(drawing).width == 4 * 64 + 3 * 2
+
+
+def test_the_evaluate_command_refuses_a_video_budget_under_two_frames(tmp_path, capsys):
+    assert evaluate.main(["--video-max-frames", "1", "--output-dir", str(tmp_path / "e"), "--no-progress"]) == 2
+    assert "--video-max-frames=1 must be >= 2" in capsys.readouterr().err
+
+
+def test_a_runs_model_is_evaluated_at_the_video_budget_it_trained_with(tmp_path):
+    """A run folder's saved config gives the budget (evaluate's --video-* unset); a folder without one gives
+    none (training's defaults then). Planted: run_video_budget reading the defaults only; this failed."""
+    from vlm_grpo_ma.run.config import load_config, save_config
+    from vlm_grpo_ma.task_api.videos import VideoBudget
+
+    cfg = load_config(None, ["model.video_fps=1.0", "model.video_max_frames=4", "model.video_max_pixels=3136"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert evaluate.run_video_budget(tmp_path) == VideoBudget(fps=1.0, max_frames=4, max_pixels=3136)
+    assert evaluate.run_video_budget(tmp_path / "elsewhere") is None
