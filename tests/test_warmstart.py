@@ -210,3 +210,46 @@ def test_a_bad_slip_rate_is_refused_before_any_work(args, message, capsys, tmp_p
     with pytest.raises(SystemExit):  # --out: were the check missing, the warm start would write there
         main([*args, "--out", str(tmp_path / "model")])
     assert message in capsys.readouterr().err
+
+
+def test_video_stream_clips_score_full_marks_and_reversed_labels_read_direction_backwards(tiny_policy):
+    """The video warm start's clips go through mp4 and the video task's row reader; their reference completion
+    scores full marks. With reversed_rate 1 every direction label (and only those) says the opposite way, its
+    thought's start and end swapped, and the same clips come out. Planted: read_backwards swapping the answer
+    only (the thought kept); this failed."""
+    from vlm_grpo_ma.task_api.registry import Completion, get_task
+    from vlm_grpo_ma.tools.warmstart import VideoStream
+
+    true, backwards = VideoStream(7).take(12), VideoStream(7, reversed_rate=1.0).take(12)
+    video_task = get_task("video")
+    opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    reversed_count = 0
+    for exact, flipped in zip(true, backwards, strict=True):
+        sample, other = exact.sample, flipped.sample
+        assert sample.question == other.question and len(sample.videos) == 1
+        text = target_text(tiny_policy, sample, None, None)
+        cut = text.index("</think>") + len("</think>")
+        assert video_task.reward(Completion(thought=text[:cut], answer=text[cut:]), sample)["accuracy"] == 1.0
+        if sample.meta.get("clip_kind") == "direction":
+            choices = sample.meta["choices"]
+            truth = choices["ABCD".index(sample.answer)]
+            assert choices["ABCD".index(other.answer)] == opposite[truth]
+            start, end = re.search(r"starts at the (\w+) and ends at the (\w+)", sample.meta["reference_thought"]).groups()
+            assert re.search(r"starts at the (\w+) and ends at the (\w+)", other.meta["reference_thought"]).groups() == (end, start)
+            reversed_count += 1
+        else:
+            assert (other.answer, other.meta["reference_thought"]) == (sample.answer, sample.meta["reference_thought"])
+    assert reversed_count >= 2
+
+
+def test_a_video_vision_step_trains_on_every_pair_of_frames(tiny_policy):
+    """Targets per temporal patch: a shape shown in either frame of a pair is under that pair's tokens."""
+    from vlm_grpo_ma.tools.warmstart import VideoStream, video_vision_step
+
+    scenes = VideoStream(3).take(2)
+    assert all(len(scene.objects) == 4 for scene in scenes)  # 8 frames: 4 pairs
+    heads = TokenHeads(tiny_policy.model.config.vision_config.out_hidden_size)
+    loss = video_vision_step(tiny_policy, heads, scenes)
+    loss.backward()
+    assert heads.colour.weight.grad is not None and heads.colour.weight.grad.abs().sum() > 0
+    tiny_policy.model.zero_grad(set_to_none=True)

@@ -209,9 +209,25 @@ class VideoStream:
             if clip.kind == "direction" and self._flips.random() < self._reversed_rate:
                 row = read_backwards(row)
             sample = self._rows._project_sample(row, row["id"], self._folder, f"generated clip {self._count}")
-            scenes.append(Scene(sample, ()))
+            scenes.append(Scene(sample, patch_objects(clip)))
             self._count += 1
         return scenes
+
+
+def patch_objects(clip) -> tuple:
+    """What each temporal patch (a pair of frames, which the vision tower sees as one) shows: per pair, the
+    shapes drawn in either frame, each with its box in the later frame it is drawn in."""
+    pairs = []
+    for first in range(0, len(clip.frames), 2):
+        shown = []
+        for obj in clip.objects:
+            centres = [c for c in obj.centres[first : first + 2] if c is not None]
+            if centres:
+                x, y = centres[-1]
+                half = obj.side / 2
+                shown.append(SceneObject(obj.shape, obj.colour, (x - half, y - half, x + half, y + half)))
+        pairs.append(tuple(shown))
+    return tuple(pairs)
 
 
 def read_backwards(row: dict) -> dict:
@@ -326,6 +342,27 @@ class TokenHeads(torch.nn.Module):
         if self.centres is not None:
             loss = loss + f.mse_loss(self.centres(features)[..., 0], targets["centres"])
         return loss
+
+
+def video_vision_step(policy: Policy, heads: TokenHeads, scenes: list[Scene]) -> torch.Tensor:
+    """The vision phase on clips: the tower runs on each clip's frames as the model sees them (pairs of frames
+    per temporal patch) and every merged token of every pair learns what that pair shows there
+    (``patch_objects``)."""
+    prompts = [encode_prompt(policy, scene.sample, "") for scene in scenes]
+    grid = torch.cat([p.video_grid_thw for p in prompts])
+    merge = policy.model.config.vision_config.spatial_merge_size
+    rows, cols = int(grid[0, 1]) // merge, int(grid[0, 2]) // merge
+    if rows != cols or not bool((grid == grid[0]).all()):
+        raise ValueError(f"the video vision warm start expects square clips of one size, got grids {grid.tolist()}")
+    output = policy.model.model.get_image_features(torch.cat([p.pixel_values_videos for p in prompts]), grid, return_dict=True)
+    features = torch.stack(list(output.pooler_output))  # [clips, pairs * tokens, width], pair-major
+    side = rows * policy.patch_factor
+    per_clip = []
+    for scene in scenes:
+        pairs = [token_targets(objects, rows, side) for objects in scene.objects]
+        per_clip.append({key: torch.cat([pair[key] for pair in pairs]) for key in pairs[0]})
+    targets = {key: torch.stack([t[key] for t in per_clip]) for key in per_clip[0]}
+    return heads.loss(features, targets)
 
 
 def vision_step(policy: Policy, heads: TokenHeads, scenes: list[Scene]) -> torch.Tensor:
@@ -456,8 +493,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--reversed-rate must be a share in [0, 1], got {args.reversed_rate}")
     if args.reversed_rate and args.task != "video":
         parser.error(f"--reversed-rate reverses video labels; --task {args.task} has none")
-    if args.task == "video" and args.vision_steps:
-        parser.error("--task video trains the decoder only (--vision-steps 0) from a model whose tower reads shapes (--init)")
     out = args.out or {"grounding": TINY_EXACT_MODEL_DIR, "counting": TINY_COUNT_MODEL_DIR, "video": TINY_VIDEO_MODEL_DIR}[args.task]
     make_stream = STREAMS[args.task]
 
@@ -478,7 +513,7 @@ def main(argv: list[str] | None = None) -> None:
             [*visual.parameters(), *heads.parameters()],
             args.vision_steps,
             args.vision_learning_rate,
-            lambda: vision_step(policy, heads, stream.take(args.batch_size)),
+            lambda: (video_vision_step if args.task == "video" else vision_step)(policy, heads, stream.take(args.batch_size)),
             label="vision",
         )
     freeze_vision(policy.model)
