@@ -202,7 +202,7 @@ def test_slips_change_only_the_last_sum_of_sum_and_add_labels():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--task", "counting", "--slip-rate", "1.5"], "--slip-rate must be a share in [0, 1], got 1.5"),
-    (["--task", "grounding", "--slip-rate", "0.5"], "--slip-rate puts slips in counting labels; --task grounding has none"),
+    (["--task", "grounding", "--slip-rate", "0.5"], "--slip-rate puts slips in counting and video labels; --task grounding has none"),
 ])
 def test_a_bad_slip_rate_is_refused_before_any_work(args, message, capsys, tmp_path):
     from vlm_grpo_ma.tools.warmstart import main
@@ -212,34 +212,33 @@ def test_a_bad_slip_rate_is_refused_before_any_work(args, message, capsys, tmp_p
     assert message in capsys.readouterr().err
 
 
-def test_video_stream_clips_score_full_marks_and_reversed_labels_read_direction_backwards(tiny_policy):
+def test_video_stream_clips_score_full_marks_and_slipped_labels_count_one_crossing_short(tiny_policy):
     """The video warm start's clips go through mp4 and the video task's row reader; their reference completion
-    scores full marks. With reversed_rate 1 every direction label (and only those) says the opposite way, its
-    thought's start and end swapped, and the same clips come out. Planted: read_backwards swapping the answer
-    only (the thought kept); this failed."""
+    scores full marks. With slip_rate 1 every crossings label with a crossing (and only those) counts one short,
+    its sides unchanged, and the same clips come out. Planted: miscounted changing the answer only (the thought
+    kept); this failed."""
     from vlm_grpo_ma.task_api.registry import Completion, get_task
-    from vlm_grpo_ma.tools.warmstart import VideoStream
+    from vlm_grpo_ma.tools.warmstart import COUNT_WORDS, VideoStream
 
-    true, backwards = VideoStream(7).take(12), VideoStream(7, reversed_rate=1.0).take(12)
+    true, slipped_labels = VideoStream(7).take(30), VideoStream(7, slip_rate=1.0).take(30)
     video_task = get_task("video")
-    opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
-    reversed_count = 0
-    for exact, flipped in zip(true, backwards, strict=True):
-        sample, other = exact.sample, flipped.sample
+    slipped_count = 0
+    for exact, slip in zip(true, slipped_labels, strict=True):
+        sample, other = exact.sample, slip.sample
         assert sample.question == other.question and len(sample.videos) == 1
         text = target_text(tiny_policy, sample, None, None)
         cut = text.index("</think>") + len("</think>")
         assert video_task.reward(Completion(thought=text[:cut], answer=text[cut:]), sample)["accuracy"] == 1.0
-        if sample.meta.get("clip_kind") == "direction":
-            choices = sample.meta["choices"]
-            truth = choices["ABCD".index(sample.answer)]
-            assert choices["ABCD".index(other.answer)] == opposite[truth]
-            start, end = re.search(r"starts at the (\w+) and ends at the (\w+)", sample.meta["reference_thought"]).groups()
-            assert re.search(r"starts at the (\w+) and ends at the (\w+)", other.meta["reference_thought"]).groups() == (end, start)
-            reversed_count += 1
+        thought, slip_thought = sample.meta["reference_thought"], other.meta["reference_thought"]
+        if sample.meta.get("clip_kind") == "crossings" and sample.answer != "0":
+            count = int(sample.answer)
+            assert other.answer == str(count - 1)
+            assert slip_thought.split(":")[0] == thought.split(":")[0]  # the sides as they are
+            assert slip_thought.endswith("it never crosses" if count == 1 else f"it crosses {COUNT_WORDS[count - 1]}")
+            slipped_count += 1
         else:
-            assert (other.answer, other.meta["reference_thought"]) == (sample.answer, sample.meta["reference_thought"])
-    assert reversed_count >= 2
+            assert (other.answer, slip_thought) == (sample.answer, thought)
+    assert slipped_count >= 2
 
 
 def test_a_video_vision_step_trains_on_every_pair_of_frames(tiny_policy):

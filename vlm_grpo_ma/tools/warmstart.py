@@ -47,7 +47,6 @@ import argparse
 import functools
 import importlib.util
 import random
-import re
 import shutil
 import sys
 import time
@@ -180,20 +179,20 @@ class VideoStream:
     the warm start reads them as the RL run does, through PyAV) into a scratch folder, as Samples the video task
     scores (its own row reader: one way to build a video sample).
 
-    ``reversed_rate``: the share of ``direction`` clips whose label reads the clip backwards: the thought has the
-    start and the end swapped ("starts at the right and ends at the left") and the answer follows it. A model
-    trained on such labels reads some motion in reverse and answers what its thought says: a flaw of the
-    reading, drawn apart from the clips (any rate gives the same clips), that a correctness reward can pay to
-    remove, as the counting warm start's slips are."""
+    ``slip_rate``: the share of ``crossings`` clips (with at least one crossing) whose label miscounts: the
+    thought lists the sides the shape visits as they are, then counts one crossing fewer ("left, right, left:
+    it crosses once"), and the answer follows it. A model trained on such labels reads the clip and then
+    counts short, a flaw of the reasoning that a correctness reward can pay to remove, as the counting warm
+    start's slips are. The slips are drawn apart from the clips, so any rate gives the same clips."""
 
-    def __init__(self, seed: int, reversed_rate: float = 0.0):
+    def __init__(self, seed: int, slip_rate: float = 0.0):
         import tempfile
 
         self._generator = load_generator("make_video")
         self._rows = sys.modules[get_task("video").reward.__module__]
         self._rng = random.Random(seed)
-        self._flips = random.Random(seed + 1_000_003)
-        self._reversed_rate = reversed_rate
+        self._slips = random.Random(seed + 1_000_003)
+        self._slip_rate = slip_rate
         self._folder = Path(tempfile.mkdtemp(prefix=f"warmstart-video-{seed}-"))
         self._seed = seed
         self._count = 0
@@ -206,12 +205,27 @@ class VideoStream:
             path = self._folder / f"{self._count % 4096}.mp4"
             self._generator.write_clip(path, clip.frames, clip.fps)
             row = self._generator.clip_row(clip, f"generated-{self._seed}-{self._count}", str(path))
-            if clip.kind == "direction" and self._flips.random() < self._reversed_rate:
-                row = read_backwards(row)
+            if clip.kind == "crossings" and int(row["answer"]) > 0 and self._slips.random() < self._slip_rate:
+                row = miscounted(row)
             sample = self._rows._project_sample(row, row["id"], self._folder, f"generated clip {self._count}")
             scenes.append(Scene(sample, patch_objects(clip)))
             self._count += 1
         return scenes
+
+
+COUNT_WORDS = ("never", "once", "twice", "three times")
+
+
+def miscounted(row: dict) -> dict:
+    """A ``crossings`` row (one or more crossings) whose thought counts one crossing fewer, and the answer that
+    follows it; the sides listed are left as they are."""
+    count = int(row["answer"])
+    thought = row["reference_thought"]
+    ending = f"it crosses {COUNT_WORDS[count]}"
+    if count < 1 or not thought.endswith(ending):
+        raise ValueError(f"a miscounted thought needs one or more crossings and to end with {ending!r}, got {thought!r}")
+    fewer = "it never crosses" if count == 1 else f"it crosses {COUNT_WORDS[count - 1]}"
+    return {**row, "reference_thought": thought[: -len(ending)] + fewer, "answer": str(count - 1)}
 
 
 def patch_objects(clip) -> tuple:
@@ -228,16 +242,6 @@ def patch_objects(clip) -> tuple:
                 shown.append(SceneObject(obj.shape, obj.colour, (x - half, y - half, x + half, y + half)))
         pairs.append(tuple(shown))
     return tuple(pairs)
-
-
-def read_backwards(row: dict) -> dict:
-    """A ``direction`` row whose label reads the clip in reverse: start and end swapped in the thought, the
-    answer the opposite direction."""
-    opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
-    ends = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
-    thought = re.sub(r"\b(left|right|top|bottom)\b", lambda m: ends[m.group(1)], row["reference_thought"])
-    answer = row["choices"].index(opposite[row["choices"][ord(row["answer"]) - ord("A")]])
-    return {**row, "reference_thought": thought, "answer": chr(ord("A") + answer)}
 
 
 def slipped(thought: str, answer: int) -> tuple[str, int]:
@@ -476,10 +480,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--box-margin", type=float, default=0.0, help="loose labels: grow every target box by this many pixels a side")
     parser.add_argument("--init", type=Path, help="start from this model folder instead of a fresh random model")
-    parser.add_argument("--reversed-rate", type=float, default=0.0,
-                        help="video: the share of direction labels that read the clip backwards (see VideoStream)")
     parser.add_argument("--slip-rate", type=float, default=0.0,
-                        help="counting: the share of sum and add labels with an arithmetic slip (see CountingStream)")
+                        help="counting: the share of sum and add labels with an arithmetic slip (see CountingStream);"
+                             " video: the share of crossings labels counted one short (see VideoStream)")
     args = parser.parse_args(argv)
     if not args.box_margin >= 0:
         parser.error(f"--box-margin must be a number of pixels >= 0, got {args.box_margin}")
@@ -487,12 +490,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--box-margin loosens grounding boxes; --task {args.task} has none")
     if not 0 <= args.slip_rate <= 1:
         parser.error(f"--slip-rate must be a share in [0, 1], got {args.slip_rate}")
-    if args.slip_rate and args.task != "counting":
-        parser.error(f"--slip-rate puts slips in counting labels; --task {args.task} has none")
-    if not 0 <= args.reversed_rate <= 1:
-        parser.error(f"--reversed-rate must be a share in [0, 1], got {args.reversed_rate}")
-    if args.reversed_rate and args.task != "video":
-        parser.error(f"--reversed-rate reverses video labels; --task {args.task} has none")
+    if args.slip_rate and args.task not in ("counting", "video"):
+        parser.error(f"--slip-rate puts slips in counting and video labels; --task {args.task} has none")
     out = args.out or {"grounding": TINY_EXACT_MODEL_DIR, "counting": TINY_COUNT_MODEL_DIR, "video": TINY_VIDEO_MODEL_DIR}[args.task]
     make_stream = STREAMS[args.task]
 
@@ -523,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.task == "counting":
         stream = CountingStream(DECODER_SEED, args.slip_rate)
     elif args.task == "video":
-        stream = VideoStream(DECODER_SEED, args.reversed_rate)
+        stream = VideoStream(DECODER_SEED, args.slip_rate)
     else:
         stream = make_stream(DECODER_SEED)
     held_out = [scene.sample for scene in make_stream(HELD_OUT_SEED).take(args.eval_scenes)]  # true labels
