@@ -69,7 +69,7 @@ class DecodedVideo:
 # The most frames read from one file (a guard against a stream that claims a few frames and has millions).
 MAX_SOURCE_FRAMES = 100_000
 
-_said_cut: set[str] = set()
+_said_cut: set[tuple[str, str]] = set()  # (video, cut) pairs already logged
 
 
 def _frame_count(budget: VideoBudget, total_frames: int, source_fps: float) -> tuple[int, str]:
@@ -78,8 +78,8 @@ def _frame_count(budget: VideoBudget, total_frames: int, source_fps: float) -> t
 
     max_frames = max(FRAME_FACTOR, budget.max_frames - budget.max_frames % FRAME_FACTOR)
     wanted = total_frames / source_fps * budget.fps
-    count = smart_nframes(
-        {"fps": budget.fps, "min_frames": FRAME_FACTOR, "max_frames": min(max_frames, total_frames)},
+    count = smart_nframes(  # at most the source's rate: a higher one asks for frames that are not there (and warns)
+        {"fps": min(budget.fps, source_fps), "min_frames": FRAME_FACTOR, "max_frames": min(max_frames, total_frames)},
         total_frames=total_frames,
         video_fps=source_fps,
     )
