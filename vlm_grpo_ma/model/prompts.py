@@ -95,7 +95,7 @@ def generation_prompt(policy: Policy, sample: Sample, instruction: str) -> str:
     return text
 
 
-def _video_inputs(policy: Policy, videos: list[DecodedVideo]) -> dict:
+def _video_inputs(videos: list[DecodedVideo]) -> dict:
     """The processor's video arguments for frames already chosen and sized (``task_api.videos``): no sampling
     or resizing of its own, and the metadata that gives each frame its time (Qwen2.5-VL's seconds per temporal
     patch, Qwen3-VL's timestamps in the text)."""
@@ -125,7 +125,7 @@ def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPr
     text = generation_prompt(policy, sample, instruction)
     try:
         encoded = policy.processor(
-            text=[text], images=images or None, return_tensors="pt", **_video_inputs(policy, videos)
+            text=[text], images=images or None, return_tensors="pt", **_video_inputs(videos)
         )
     except Exception as error:
         if not images and not videos:
@@ -142,18 +142,21 @@ def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPr
         ) from error
     if images:
         grid, pixel_values = encoded["image_grid_thw"], encoded["pixel_values"]
-    else:  # a text-only prompt (math word problems, code): no vision rows
+    else:  # a prompt without images (text-only: math word problems, code; or videos only): no image rows
         grid = _no_grid()
         pixel_values = torch.zeros((0, 0))
     patch = policy.model.config.vision_config.patch_size
     input_sizes = tuple((int(w) * patch, int(h) * patch) for _, h, w in grid.tolist())
     video_fields = {}
     if videos:
+        # Qwen2.5-VL's processor gives the seconds per temporal patch; the other families' time comes from the text
+        # (Qwen3-VL) or is one per patch (Qwen2-VL), and the same figure is kept for them (their models ignore it)
         temporal_patch = policy.processor.video_processor.temporal_patch_size
+        seconds = encoded.get("second_per_grid_ts", [temporal_patch / v.sampled_fps for v in videos])
         video_fields = dict(
             pixel_values_videos=encoded["pixel_values_videos"],
             video_grid_thw=encoded["video_grid_thw"],
-            video_seconds_per_grid=torch.tensor([temporal_patch / v.sampled_fps for v in videos], dtype=torch.float32),
+            video_seconds_per_grid=torch.as_tensor(seconds, dtype=torch.float32).reshape(len(videos)),
             video_frames=tuple(int(v.frames.shape[0]) for v in videos),
         )
     return EncodedPrompt(
