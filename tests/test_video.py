@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections import Counter
 
+import av
 import pytest
 import torch
 from PIL import Image
@@ -82,14 +84,22 @@ def _bad_videos(folder):
     truncated.write_bytes(write_clip(folder / "whole.mp4", frames=8).read_bytes()[:300])
     not_a_video = folder / "picture.mp4"
     Image.new("RGB", (8, 8)).save(not_a_video, format="PNG")
+    no_frames = folder / "no-frames.mkv"
+    with av.open(str(no_frames), "w") as container:  # a video stream in a written header, never a frame
+        stream = container.add_stream("libx264", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 56, 56, "yuv420p"
+        container.start_encoding()
     return {"missing": str(folder / "absent.mp4"), "empty": str(empty), "corrupt": str(corrupt),
-            "truncated": str(truncated), "a still picture": str(not_a_video), "no frames": [],
+            "truncated": str(truncated), "a still picture": str(not_a_video), "a stream of no frames": str(no_frames),
+            "an empty frame list": [],
             "a broken frame": [Image.new("RGB", (8, 8)), str(folder / "absent.png")]}  # fmt: skip
 
 
 def test_bad_videos_raise_a_video_load_error_naming_them(clip_dir):
     budget = VideoBudget()
     for what, video in _bad_videos(clip_dir).items():
+        if isinstance(video, str) and what != "missing":
+            assert os.path.getsize(video) > 0 or what == "empty", what  # each file is there, as described
         with pytest.raises(VideoLoadError) as error:
             decode_video(video, budget)
         name = video if isinstance(video, str) else "frames"

@@ -130,6 +130,8 @@ def _read_file(path: str, budget: VideoBudget) -> tuple[list[np.ndarray], list[i
                 container.seek(0)
             if total <= 0:
                 raise VideoLoadError(f"video {path!r}: no frames")
+            if total < 2:
+                raise VideoLoadError(f"video {path!r}: {total} frame; a video needs 2 or more (the tower takes frames in pairs)")
             total = min(total, MAX_SOURCE_FRAMES)
             count, cut = _frame_count(budget, total, fps)
             wanted = _even_indices(total, count)
@@ -149,7 +151,7 @@ def _read_file(path: str, budget: VideoBudget) -> tuple[list[np.ndarray], list[i
         raise VideoLoadError(f"video {path!r}: no frame decodes")
     if decoded < total:  # the header over-counted: sample from the frames that exist
         count, cut = _frame_count(budget, decoded, fps)
-        wanted = [i for i in _even_indices(decoded, count)]
+        wanted = _even_indices(decoded, count)
         missing = [i for i in wanted if i not in chosen]
         if missing:
             raise VideoLoadError(f"video {path!r}: the stream says {total} frames but {decoded} decode")
