@@ -119,7 +119,7 @@ def test_a_source_whose_every_image_is_unreadable_is_one_line(tmp_path, untraine
                      f"data.source={tmp_path / 'train.jsonl'}", "train.steps=1"])  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith("error: too many unreadable images in a row; check data.source (")
+    assert err.strip().splitlines()[-1].startswith("error: too many unreadable images or videos in a row; check data.source (")
     assert "Traceback" not in err
 
 
