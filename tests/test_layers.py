@@ -6,6 +6,8 @@ sub-package."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,18 @@ def test_each_sub_package_says_what_lives_there(layer):
 def test_no_module_is_over_600_lines():
     long = {name: source.count("\n") for name, source in package_sources().items() if source.count("\n") > 600}
     assert long == {}
+
+
+def test_the_task_api_and_the_built_in_tasks_import_no_torch():
+    """Every reward worker imports the task API and the tasks; torch (and PyAV, transformers) there cost each of
+    the 8 workers ~1.5 s at a run's first step, 5 s of a 4-step run on 2 cores. Planted: task_api/videos.py
+    importing torch at its top (as it first did); this failed."""
+    code = (
+        "import sys\n"
+        "from vlm_grpo_ma.task_api.registry import load_builtin_tasks\n"
+        "load_builtin_tasks()\n"
+        "print(sorted(m for m in ('torch', 'av', 'transformers', 'torchvision') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

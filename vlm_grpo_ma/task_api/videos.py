@@ -23,12 +23,17 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
 from vlm_grpo_ma.task_api.images import ImageLoadError, decode_image
+
+# torch, torchvision, PyAV and qwen-vl-utils are imported where a video is decoded: the task API (imported by
+# every reward worker, which never decodes) stays light; importing torch there cost each worker ~1.5 s.
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +111,8 @@ def _resize(frames: torch.Tensor, budget: VideoBudget, factor: int) -> tuple[tor
 
 
 def _even_indices(total: int, count: int) -> list[int]:
-    return torch.linspace(0, total - 1, count).round().long().tolist()
+    """``count`` indices evenly over ``0 .. total - 1``, both ends included (rounded half to even)."""
+    return [int(i) for i in np.linspace(0, total - 1, count).round()]
 
 
 def _read_file(path: str, budget: VideoBudget) -> tuple[list[np.ndarray], list[int], int, float, str]:
@@ -200,6 +206,8 @@ def decode_video(video, budget: VideoBudget, *, factor: int = 28) -> DecodedVide
             arrays, indices, total, fps, cut = _read_frames(video, budget, where)
         else:
             raise VideoLoadError(f"video {where}: expected a file path or a list of frames, got {type(video).__name__}")
+    import torch
+
     frames = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous()
     frames, size_cut = _resize(frames, budget, factor)
     cut = "; ".join(part for part in (cut, size_cut) if part)
