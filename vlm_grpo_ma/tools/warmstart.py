@@ -1,7 +1,8 @@
-"""Supervised warm start of the embedded tiny model: ``python -m vlm_grpo_ma.warmstart [--task counting]``.
+"""Supervised warm start of the embedded tiny model: ``python -m vlm_grpo_ma.warmstart [--task counting|video]``.
 
 Two phases, both on scenes drawn fresh at every step from the embedded data's own generator
-(``data/make_grounding.py``; with ``--task counting``, the picture problems of ``data/make_math.py``), seeded
+(``data/make_grounding.py``; with ``--task counting``, the picture problems of ``data/make_math.py``; with
+``--task video``, the clips of ``data/make_video.py``, each a pair of frames per temporal patch), seeded
 apart from the committed train and test splits, so a 1.1M-parameter model sees tens of thousands of distinct
 scenes and cannot memorise a few thousand:
 
@@ -11,6 +12,7 @@ scenes and cannot memorise a few thousand:
    only through the decoder's loss collapsed to near-constant features; a frozen random one encodes the
    token's place but barely its content.
    Counting adds a head for the number of object centres under each token (two small shapes can share one).
+   Video trains the heads on every temporal patch's tokens (``video_vision_step``).
 2. **Decoder.** With the tower frozen, the language model learns to write
    ``<think>{reference thought}</think><answer>[x1,y1,x2,y2]</answer>`` (the box in the model's coordinate
    frame, converted by ``coords.from_original_pixels``: the single conversion rewards use in reverse); for
@@ -472,7 +474,8 @@ def _train(parameters, steps: int, learning_rate: float, step_loss, *, label: st
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=sorted(STREAMS), default="grounding",
-                        help="what the model learns: grounding scenes, or counting pictures scored by the math task")
+                        help="what the model learns: grounding scenes, counting pictures scored by the math task, or"
+                             " video clips scored by the video task")
     parser.add_argument("--out", type=Path, help="model folder to write (default: the committed one of --task)")
     parser.add_argument("--vision-steps", type=int, default=1500)
     parser.add_argument("--decoder-steps", type=int, default=4000)
