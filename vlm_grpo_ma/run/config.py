@@ -20,6 +20,7 @@ import yaml
 from vlm_grpo_ma.algorithm.advantages import ADVANTAGE_ESTIMATORS
 from vlm_grpo_ma.algorithm.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
 from vlm_grpo_ma.engines.decode import SEED_STRIDE
+from vlm_grpo_ma.task_api.videos import VideoBudget
 
 
 class ConfigError(ValueError):
@@ -33,9 +34,9 @@ class ModelConfig:
     attn_implementation: str = "auto"  # auto: flash_attention_2 when installed on a GPU, else sdpa
     min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
     max_pixels: int | None = None
-    video_fps: float = 2.0  # each video (task_api/videos.py): frames sampled this many a second,
-    video_max_frames: int = 16  # at most this many (evenly over a longer clip; a cut is logged once),
-    video_max_pixels: int = 128 * 28 * 28  # each resized to at most this many pixels
+    video_fps: float = VideoBudget.fps  # each video (task_api/videos.py): frames sampled this many a second,
+    video_max_frames: int = VideoBudget.max_frames  # at most this many (evenly over a longer clip; logged once),
+    video_max_pixels: int = VideoBudget.max_pixels  # each resized to at most this many pixels
     gradient_checkpointing: bool = False
     # keep the vision tower (and its merger) fixed and train the language model only; false trains it too
     freeze_vision: bool = True
@@ -241,9 +242,7 @@ POSITIVE = (
     "model.min_pixels", "model.max_pixels", "model.video_fps", "model.video_max_pixels",
 )
 NON_NEGATIVE = (
-    "algorithm.eps",
-    "algorithm.clip_low",
-    "algorithm.clip_high",
+    "algorithm.eps", "algorithm.clip_low", "algorithm.clip_high",
     "algorithm.kl_coef",
     "algorithm.dynamic_sampling_max_draws",
     "algorithm.overlong_buffer_thought_tokens",
