@@ -131,11 +131,7 @@ def video_item(video: DecodedVideo) -> tuple:
     Qwen2.5-VL drops it and takes VIDEO_PROCESSOR_KWARGS')."""
     frames = video.frames.permute(0, 2, 3, 1).contiguous().numpy()
     metadata = {
-        "total_num_frames": video.total_frames,
-        "fps": video.source_fps,
-        "frames_indices": list(video.frame_indices),
-        "width": int(video.frames.shape[-1]),
-        "height": int(video.frames.shape[-2]),
+        **video.metadata,
         "duration": video.total_frames / video.source_fps,
         "video_backend": "pyav",
         "do_sample_frames": False,

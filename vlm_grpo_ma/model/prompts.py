@@ -103,13 +103,7 @@ def _video_inputs(videos: list[DecodedVideo]) -> dict:
         return {}
     from transformers.video_utils import VideoMetadata
 
-    metadata = [
-        VideoMetadata(
-            total_num_frames=v.total_frames, fps=v.source_fps, frames_indices=list(v.frame_indices),
-            width=int(v.frames.shape[-1]), height=int(v.frames.shape[-2]),
-        )
-        for v in videos
-    ]  # fmt: skip
+    metadata = [VideoMetadata(**v.metadata) for v in videos]
     # videos_kwargs: these settings are the video processor's alone (a bare do_resize=False reaches the images too)
     return {
         "videos": [v.frames for v in videos],

@@ -66,6 +66,15 @@ class DecodedVideo:
     cut: str = ""
 
     @property
+    def metadata(self) -> dict:
+        """What a processor needs to time the frames (transformers' ``VideoMetadata`` fields): the source's frame
+        count and rate, the chosen frames' indices, the frame size."""
+        return {
+            "total_num_frames": self.total_frames, "fps": self.source_fps, "frames_indices": list(self.frame_indices),
+            "width": int(self.frames.shape[-1]), "height": int(self.frames.shape[-2]),
+        }  # fmt: skip
+
+    @property
     def sampled_fps(self) -> float:
         """Frames a second of the sampled clip: ``len(frame_indices) / total_frames * source_fps``."""
         return len(self.frame_indices) / max(self.total_frames, 1) * self.source_fps
