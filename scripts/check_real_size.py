@@ -62,7 +62,7 @@ def overrides(model_dir: Path, steps: int, checkpointing: bool = False, hybrid: 
     pixels = IMAGE_SIDE * IMAGE_SIDE
     if hybrid:
         from vlm_grpo_ma.model.lora import LINEAR_ATTENTION_TARGETS
-        from vlm_grpo_ma.run.config import load_config
+        from vlm_grpo_ma.run.config_files import load_config
 
         targets = [*load_config(str(PRESET)).model.lora_target_modules, *LINEAR_ATTENTION_TARGETS]
         extra = [f"model.lora_target_modules=[{','.join(targets)}]"]
@@ -150,7 +150,7 @@ def is_hybrid(arch: architectures.Architecture) -> bool:
 
 
 def predicted_bytes(arch: architectures.Architecture, model_dir: Path, checkpointing: bool) -> int:
-    from vlm_grpo_ma.run.config import load_config
+    from vlm_grpo_ma.run.config_files import load_config
     from vlm_grpo_ma.run.memory_model import estimate
 
     cfg = load_config(str(PRESET), overrides(model_dir, 2, checkpointing, is_hybrid(arch)))

@@ -174,7 +174,7 @@ def memory_figures(run_dir: Path, processes: int) -> list[dict[str, float]]:
 def predicted_bytes(model_dir: Path, overrides: list[str], strategy: str) -> dict[str, int]:
     """What the memory model (vlm_grpo_ma.run.memory_model) predicts each of 2 processes holds after a step."""
     from vlm_grpo_ma.model.architectures import architecture_of
-    from vlm_grpo_ma.run.config import load_config
+    from vlm_grpo_ma.run.config_files import load_config
     from vlm_grpo_ma.run.memory_model import estimate
 
     e = estimate(architecture_of(str(model_dir)), load_config(None, overrides), 2, strategy)
@@ -220,7 +220,7 @@ def check_reduce_scatters(run_dir: Path, processes: int) -> bool:
 def step_shares(overrides: list[str], steps: int, processes: int = 2) -> list[list[str]]:
     """Per step, per process, its prompts as V (with a video), I (with an image) or T (text-only), in
     micro-batch order: the run's own prompt stream, replayed."""
-    from vlm_grpo_ma.run.config import load_config
+    from vlm_grpo_ma.run.config_files import load_config
     from vlm_grpo_ma.run.setup import load_prompt_stream
 
     cfg = load_config(None, overrides)

@@ -16,7 +16,7 @@ import math
 import statistics
 from pathlib import Path
 
-from vlm_grpo_ma.run.config import load_config
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.task_api import Sample, get_task, right_thought
 

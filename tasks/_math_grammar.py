@@ -5,11 +5,14 @@ After its wrappers are removed (``unwrap_answer``), an answer is read by this gr
     answer   := [lead] [label relation] [hedge] [currency] value [unit]
     lead     := [so | thus | therefore | hence [","]] [the [final] answer [is | =] [":"] | it is | it's]
     label    := a name: x, x_1, x_{12}, x', \\theta, AB, ABC, f(2), P(A), f^{-1}(3), \\sin x, \\sin(A), \\angle B,
-                m\\angle ABC, \\angle 1, \\overline{AB}, m \\widehat{AB}, \\vec{v}, |AB|  (``_LABEL``)
+                m\\angle ABC, \\angle 1, \\overline{AB}, m \\widehat{AB}, \\vec{v}, |AB|  (``_LABEL``), or up to
+                three words of QUANTITIES, plain or in \\text{}: Area, \\text{Total cost}  (``_QUANTITY_LABEL``)
     relation := "=", or a hedge: \\approx, ≈, \\simeq, \\sim
     hedge    := "~" | about | approximately | approx | around | roughly | nearly | almost | circa
     currency := "$" | "\\$"
-    value    := a number or a LaTeX expression: what is compared
+    value    := a number or a LaTeX expression: what is compared; thousands separators between a digit and
+                three digits are dropped first, commas and the spaces LaTeX groups digits with (10{,}000,
+                10\\,000, 10\\ 000: ``_THOUSANDS_SEPARATOR``)
     unit     := after a value without letters: a degree sign (45°, 45^\\circ), a percent sign, or words of
                 UNITS joined by spaces or "/" (cm, m/s, cm^2, \\text{ square units}, 12 apples), plain or in
                 \\text{}/\\mathrm{}
@@ -27,7 +30,8 @@ truth has the same thing:
   spans       a "$" that is not the currency sign: what is left of several math spans ("5$ $6");
   several     a comma, semicolon, "&" or "\\\\" outside every bracket: several values ("6, 6"; a tuple
               "(6, 6)" is one value);
-  word        a word of two or more letters in the value or the label (point names such as ABC aside),
+  word        a word of two or more letters in the value or the label (point names such as ABC and a
+              quantity label's words aside),
               plain or in \\text{}: prose and hedges that are not the grammar's ("perhaps 6", "6 maybe",
               "6 \\text{ is bogus}", "6 and 7", "P(wrong) = 6"), a trailing word that is not a unit;
 and in any case:
@@ -177,8 +181,12 @@ _COMMAND_NAME = re.compile(r"\\([A-Za-z]+|.?)", re.DOTALL)
 _ENVIRONMENT = re.compile(r"\\(?:begin|end) ?\{([^{}]*)\}")
 _TEXT_CONTENT = re.compile(r"\{([^{}]*)\}")
 _WORD = re.compile(r"[A-Za-z]{2,}")
-# A thousands comma: between a digit and exactly three digits ("6,000", "6{,}000", "6,\\!000"; not "6,6")
-_THOUSANDS_COMMA = re.compile(r"(?<=\d)(?:,|\{,\})(?:\\!)?(?=\d{3}(?!\d))")
+# A thousands separator: between a digit and exactly three digits, a comma ("6,000", "6{,}000", "6,\\!000") or
+# one of the spaces LaTeX writers group digits with (siunitx and ISO style: "10\\,000", "10\\ 000", "10\\!000",
+# "10{\\,}000", "10\\thinspace 000"). Never between other digit counts: "1,2" and "1\\,2" stay two numbers, not 12.
+_THOUSANDS_SEPARATOR = re.compile(
+    r"(?<=\d)(?:(?:,|\{,\})(?:\\!)?|\\[,! ]|\{\\,\}|\\thinspace ?)(?=\d{3}(?!\d))"
+)
 
 
 @dataclass(frozen=True)
@@ -272,6 +280,21 @@ _ACCENT = (
 )
 _FIGURE = r"\\(?:angle|measuredangle|triangle|odot)"
 _FUNCTION = r"\\(?:sin|cos|tan|cot|sec|csc|log|ln)"
+# The quantity an answer gives, named in words on the left of "=" ("Area = 24", "\\text{Total cost} = 24"): a
+# closed list, so that no word that changes what the value says ("not", "wrong", "maybe") passes for a label.
+QUANTITIES = frozenset(
+    (
+        "area perimeter circumference volume surface length width height depth radius diameter distance side base "
+        "hypotenuse angle slope speed velocity time rate cost price total sum difference product quotient ratio "
+        "probability average mean median mode range value answer result number count amount weight mass age"
+    ).split()
+)
+_QUANTITY = "(?:" + "|".join(sorted(QUANTITIES)) + ")"
+_QUANTITY_LABEL = re.compile(
+    rf"(?i:{_QUANTITY}(?: {_QUANTITY}){{0,2}}"
+    rf"|\\(?:text|textrm|textnormal|textbf|textit|mathrm|mbox) ?\{{ ?{_QUANTITY}(?: {_QUANTITY}){{0,2}} ?\}})",
+    re.ASCII,
+)
 # A name on the left of "=" (text whitespace-collapsed and stripped). Every repetition is bounded.
 _LABEL = re.compile(
     rf"(?:m ?)?(?:{_FIGURE} ?(?:{_SYMBOL}|\d{{1,2}})|{_ACCENT} ?\{{ ?{_SYMBOL} ?\}}"
@@ -314,7 +337,7 @@ class Form:
 
 def read_answer(text: str) -> Form:
     """``text`` (unwrapped) read by the grammar of the module docstring; never raises."""
-    text = _THOUSANDS_COMMA.sub("", " ".join(text.split()))
+    text = _THOUSANDS_SEPARATOR.sub("", " ".join(text.split()))
     lead = _LEAD.match(text)
     if lead.end():
         text = unwrap_answer(text[lead.end() :])
@@ -336,9 +359,10 @@ def read_answer(text: str) -> Form:
     if len(relations) == 1:
         index, name = relations[0]
         left = _joined(tokens[:index])
-        if (name == "=" or name in _HEDGE_RELATIONS) and (not left or _LABEL.fullmatch(left)):
+        quantity = _QUANTITY_LABEL.fullmatch(left)  # "Area = 24": its words are the vetted QUANTITIES
+        if (name == "=" or name in _HEDGE_RELATIONS) and (not left or quantity or _LABEL.fullmatch(left)):
             label, body, hedged = left, tokens[index + 1 :], name != "="
-            label_words = _words(tokens[:index], points=False)  # "wrong" in P(wrong) = 6
+            label_words = set() if quantity else _words(tokens[:index], points=False)  # "wrong" in P(wrong) = 6
         else:
             relation = True
     elif relations:

@@ -19,11 +19,11 @@ Equivalence (``is_equivalent``), tried in this order:
      is compared as text after ``normalise_answer``;
   2. both sides are read by the grammar of ``tasks/_math_grammar.py``,
      ``answer := [lead] [label relation] [hedge] [currency] value [unit]`` (``x = 5``, ``AB = 5``,
-     ``m\\angle ABC = 30^\\circ``, ``$5``, ``12 cm``, "The answer is 12"); an answer whose form says it is
-     not the answer is wrong whatever its numbers (below). Otherwise the values are compared, labels and
-     units dropped (the whole answers when the truth is a relation such as ``x \\neq 6``).
-  3. when both values are plain numbers (``1,000``, ``-2.5``, ``1e3``) they are compared exactly as
-     decimals, or, with ``meta["precision"] = p`` (MathVista's number of decimals), after rounding both
+     ``m\\angle ABC = 30^\\circ``, ``\\text{Area} = 24``, ``$5``, ``12 cm``, "The answer is 12"); an answer
+     whose form says it is not the answer is wrong whatever its numbers (below). Otherwise the values are
+     compared, labels and units dropped (the whole answers when the truth is a relation such as ``x \\neq 6``).
+  3. when both values are plain numbers (``1,000``, ``10\\,000``, ``-2.5``, ``1e3``) they are compared exactly
+     as decimals, or, with ``meta["precision"] = p`` (MathVista's number of decimals), after rounding both
      half-up to p decimals;
   4. otherwise math-verify decides (``1/2`` == ``0.5`` == ``\\frac{1}{2}`` == ``\\boxed{\\frac12}``,
      ``2\\sqrt{221}`` == ``\\sqrt{884}``, matrices, vectors and tuples element by element), rounding floats to

@@ -17,24 +17,29 @@ Sources for ``load``: the embedded clips (``data/video``, made by ``data/make_vi
 crossings), the project's JSONL/JSON rows, Video-R1's JSON (Video-R1-260k.json, Video-R1-COT-165k.json) and
 NExT-QA's CSV (multiple choice). Samples keep their videos as paths; the trainer decodes each process's share
 under the ``model.video_*`` budget and skips a missing or corrupt video with a count. Only a wrong root is an
-error at load: when none of the first ROOT_CHECK_ROWS samples' files exist.
+error at load: when none of the first ROOT_CHECK_ROWS samples' files exist. A file that cannot be read as its
+schema (not UTF-8, not CSV, a missing column) is an error naming the file and line; a row whose values do not
+fit (a blank option, an answer not in its type's form, a NUL byte in a path) is skipped and counted
+(``BadRow``: "malformed_rows"), logged once per file.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from tasks.vqa import LETTERS, is_correct, question_with_choices
+from tasks.vqa import LETTERS, as_number, is_correct, question_with_choices
 from vlm_grpo_ma.task_api import (
     PREDICTION_COLOUR,
     TRUTH_COLOUR,
+    BadRow,
     Completion,
+    FrameList,
     Sample,
     Task,
     checked_source_file,
@@ -45,8 +50,8 @@ from vlm_grpo_ma.task_api import (
     read_rows,
     register_task,
     require_keys,
+    resolved_path,
     rows_to_samples,
-    skip_row,
     weighted_reward,
 )
 
@@ -158,15 +163,27 @@ def _multiple_choice(sample_id: str, stem: str, choices: tuple[str, ...], index:
 
 
 def _short_answer(sample_id: str, stem: str, answer: Any, media: dict, meta: dict, where: str) -> Sample:
+    """A short-answer sample; BadRow (the row is skipped) for an answer that is blank, not a string or a number,
+    or a non-finite number (JSON's NaN, "inf": no model answer could match it, or "nan" would)."""
     if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
-        raise ValueError(f"{where}: a short answer must be a non-empty string or a number, got {answer!r}")
+        raise BadRow(f"{where}: a short answer must be a non-empty string or a number, got {answer!r}")
+    try:
+        finite = math.isfinite(float(answer))
+    except (ValueError, OverflowError):  # text, or an integer past float's range: not a non-finite number
+        finite = True
+    if not finite:
+        raise BadRow(f"{where}: a short answer must be a finite number or text, got {answer!r}")
     meta = {"kind": SHORT_ANSWER, "precision": None, **meta}
     return Sample(task=NAME, id=sample_id, question=stem.strip(), answer=str(answer).strip(), meta=meta, **media)
 
 
 def _choices(values: Any, where: str) -> tuple[str, ...]:
+    """The option texts; BadRow (the row is skipped) unless 2 to len(LETTERS) options, none of them blank or
+    missing (a None would be the option "None")."""
     if not isinstance(values, list | tuple) or len(values) < 2 or len(values) > len(LETTERS):
-        raise ValueError(f"{where}: 'choices' must be a list of 2 to {len(LETTERS)} options, got {values!r}")
+        raise BadRow(f"{where}: 'choices' must be a list of 2 to {len(LETTERS)} options, got {values!r}")
+    if any(value is None or not str(value).strip() for value in values):
+        raise BadRow(f"{where}: an option is blank or missing: {values!r}")
     return tuple(str(value).strip() for value in values)
 
 
@@ -182,17 +199,23 @@ def _choice_index(answer: Any, choices: tuple[str, ...], where: str) -> int:
         if letter and LETTERS.index(letter.group(1)) < len(choices):
             return LETTERS.index(letter.group(1))
     valid = ", ".join(f"{LETTERS[i]}/{i}/{choice!r}" for i, choice in enumerate(choices))
-    raise ValueError(f"{where}: answer {answer!r} is not one of the choices (letter/index/text: {valid})")
+    raise BadRow(f"{where}: answer {answer!r} is not one of the choices (letter/index/text: {valid})")
 
 
 def _media_path(reference: Any, root: Path, where: str, key: str) -> str:
+    """The absolute path of a row's file; BadRow (the row is skipped) for a blank one or one with a NUL byte
+    (``resolved_path``)."""
     if not isinstance(reference, str) or not reference.strip():
-        raise ValueError(f"{where}: {key!r} must be a file path, got {reference!r}")
-    return str((root / reference).resolve())
+        raise BadRow(f"{where}: {key!r} must be a file path, got {reference!r}")
+    return resolved_path(reference, root, where)
 
 
-def _question(text: Any) -> str:
-    return _PLACEHOLDERS.sub("", str(text)).strip()
+def _question(text: Any, where: str) -> str:
+    """The question without media placeholders; BadRow (the row is skipped) when nothing is left."""
+    question = _PLACEHOLDERS.sub("", str(text if text is not None else "")).strip()
+    if not question:
+        raise BadRow(f"{where}: the question is blank: {text!r}")
+    return question
 
 
 # ---------------------------------------------------------------------------------------------- schemas
@@ -206,7 +229,10 @@ def _project_sample(row: dict, sample_id: str, root: Path, where: str) -> Sample
     video = row["video"]
     if isinstance(video, list) and video:
         frames = [_media_path(frame, root, where, "video") for frame in video]
-        media = {"images": (), "videos": (frames,)}
+        try:  # the row's "fps" is its frames' rate (none: the model's video_fps apart)
+            media = {"images": (), "videos": (FrameList(frames, fps=row.get("fps")),)}
+        except ValueError as error:  # not a positive number: the row is skipped and counted
+            raise BadRow(f"{where}: {error}") from None
     else:
         media = {"images": (), "videos": (_media_path(video, root, where, "video"),)}
     meta = {"source": "project", **{key: row[key] for key in ("reference_thought", "fps", "frames") if key in row}}
@@ -215,8 +241,8 @@ def _project_sample(row: dict, sample_id: str, root: Path, where: str) -> Sample
     if row.get("choices"):
         choices = _choices(row["choices"], where)
         index = _choice_index(row["answer"], choices, where)
-        return _multiple_choice(str(row["id"]), _question(row["question"]), choices, index, media, meta)
-    return _short_answer(str(row["id"]), _question(row["question"]), row["answer"], media, meta, where)
+        return _multiple_choice(str(row["id"]), _question(row["question"], where), choices, index, media, meta)
+    return _short_answer(str(row["id"]), _question(row["question"], where), row["answer"], media, meta, where)
 
 
 def _video_r1_options(values: Any, where: str) -> tuple[str, ...]:
@@ -229,13 +255,14 @@ def _video_r1_options(values: Any, where: str) -> tuple[str, ...]:
     return tuple(texts)
 
 
-def _video_r1_sample(row: dict, sample_id: str, root: Path, where: str) -> Sample | None:
-    """A Video-R1 row: "problem_type" picks the grading, "data_type" whether "path" is a video or an image."""
+def _video_r1_sample(row: dict, sample_id: str, root: Path, where: str) -> Sample:
+    """A Video-R1 row: "problem_type" picks the grading, "data_type" whether "path" is a video or an image.
+    BadRow (skipped and counted) for a type without an exact answer ("unsupported_rows") and for a row whose
+    values do not fit its type ("malformed_rows": a numerical solution that is no number, such as "[1]")."""
     require_keys(row, VIDEO_R1_COLUMNS, where)
     problem_type = str(row["problem_type"]).strip().lower()
     if problem_type != "multiple choice" and problem_type not in VIDEO_R1_SHORT_TYPES:
-        skip_row("unsupported_rows", where, f"problem_type {row['problem_type']!r} has no exact answer to grade")
-        return None
+        raise BadRow(f"{where}: problem_type {row['problem_type']!r} has no exact answer to grade", "unsupported_rows")
     data_type = str(row["data_type"]).strip().lower()
     path = _media_path(row["path"], root, where, "path")
     if data_type == "video":
@@ -243,8 +270,11 @@ def _video_r1_sample(row: dict, sample_id: str, root: Path, where: str) -> Sampl
     elif data_type == "image":
         media = {"images": (path,), "videos": ()}
     else:
-        raise ValueError(f"{where}: 'data_type' must be 'video' or 'image', got {row['data_type']!r}")
-    solution = str(row["solution"])
+        raise BadRow(f"{where}: 'data_type' must be 'video' or 'image', got {row['data_type']!r}")
+    solution = row["solution"]
+    if isinstance(solution, bool) or not isinstance(solution, str | int | float):  # a list [1], null, ...
+        raise BadRow(f"{where}: a solution must be text or a number, got {solution!r}")
+    solution = str(solution)
     tagged = extract_tag(solution, "answer")  # "<answer>B</answer>"; a bare solution is taken whole
     answer = (tagged if tagged is not None else solution).strip()
     meta = {"source": "video-r1", "problem_type": problem_type, "data_source": row.get("data_source")}
@@ -252,47 +282,57 @@ def _video_r1_sample(row: dict, sample_id: str, root: Path, where: str) -> Sampl
     problem_id = str(row["problem_id"])
     if problem_type == "multiple choice":
         if "options" not in row:
-            raise ValueError(f"{where}: a multiple choice row needs 'options'")
+            raise BadRow(f"{where}: a multiple choice row needs 'options'")
         choices = _video_r1_options(row["options"], where)
         index = _choice_index(answer, choices, where)
-        return _multiple_choice(problem_id, _question(row["problem"]), choices, index, media, meta)
-    return _short_answer(problem_id, _question(row["problem"]), answer, media, meta, where)
+        return _multiple_choice(problem_id, _question(row["problem"], where), choices, index, media, meta)
+    if problem_type == "numerical" and as_number(answer) is None:  # graded as a number: it must be one
+        raise BadRow(f"{where}: a numerical solution must be a number, got {answer!r}")
+    return _short_answer(problem_id, _question(row["problem"], where), answer, media, meta, where)
 
 
 def _nextqa_samples(path: Path, video_root: str | None) -> tuple[list[Sample], Path]:
     """NExT-QA's CSV (video, frame_count, width, height, question, answer, qid, type, a0..a4): multiple choice
     with 5 options, "answer" the index of the right one, the clip at ``{root}/{video}.mp4``."""
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
-        rows = [(f"{path}:{reader.line_num}", row) for row in reader]
+    rows = read_rows(path)  # ValueError naming the file and line: not UTF-8, not CSV
     if not rows:
         raise ValueError(f"{path}: no rows")
     root = Path(video_root) if video_root is not None else _nextqa_root(path, rows)
-    samples = []
-    for where, row in rows:
-        require_keys(row, NEXTQA_COLUMNS, where)
-        choices = tuple(str(row[f"a{i}"]).strip() for i in range(5))
-        try:
-            index = int(str(row["answer"]).strip())
-        except ValueError:
-            index = -1
-        if not 0 <= index < 5:
-            raise ValueError(f"{where}: NExT-QA 'answer' must be an option index 0..4, got {row['answer']!r}")
-        stem = str(row["question"]).strip()
-        stem = stem[:1].upper() + stem[1:]
-        if not stem.endswith("?"):
-            stem += "?"
-        media = {"images": (), "videos": (_media_path(f"{row['video']}.mp4", root, where, "video"),)}
-        meta = {"source": "nextqa", "question_type": row.get("type"), "video_id": str(row["video"])}
-        sample_id = f"nextqa-{row['video']}-{row['qid']}"
-        samples.append(_multiple_choice(sample_id, stem, choices, index, media, meta))
+    samples = rows_to_samples(rows, lambda row, sample_id, where: _nextqa_sample(row, root, where), path)
     return samples, root
 
 
-def _nextqa_root(path: Path, rows: list[tuple[str, dict]]) -> Path:
+def _nextqa_sample(row: dict, root: Path, where: str) -> Sample:
+    """One NExT-QA row; BadRow (skipped and counted) for a row of more or fewer fields than the header (an
+    unquoted comma in a question), a blank option, an answer that is not an index 0..4 ("nan"), a blank question
+    or video name."""
+    require_keys(row, NEXTQA_COLUMNS, where)
+    extra, missing = row.get(None) or [], [key for key, value in row.items() if value is None]
+    if extra or missing:  # csv.DictReader's reading of a short or long row: str(None) would be the option "None"
+        header = len(row) - (None in row)
+        raise BadRow(f"{where}: {header - len(missing) + len(extra)} fields under a header of {header}")
+    choices = _choices([row[f"a{i}"] for i in range(5)], where)
+    try:
+        index = int(row["answer"].strip())
+    except ValueError:
+        index = -1
+    if not 0 <= index < 5:
+        raise BadRow(f"{where}: NExT-QA 'answer' must be an option index 0..4, got {row['answer']!r}")
+    stem = _question(row["question"], where)
+    stem = stem[:1].upper() + stem[1:]
+    if not stem.endswith("?"):
+        stem += "?"
+    if not row["video"].strip():
+        raise BadRow(f"{where}: 'video' must name a clip, got {row['video']!r}")
+    media = {"images": (), "videos": (_media_path(f"{row['video']}.mp4", root, where, "video"),)}
+    meta = {"source": "nextqa", "question_type": row.get("type"), "video_id": row["video"]}
+    return _multiple_choice(f"nextqa-{row['video']}-{row['qid']}", stem, choices, index, media, meta)
+
+
+def _nextqa_root(path: Path, rows: list[tuple[str | None, str, dict]]) -> Path:
     """The CSV's folder, or its ``videos/`` subfolder when that holds the first rows' clips and the folder does
     not."""
-    names = [f"{row.get('video')}.mp4" for _, row in rows[:ROOT_CHECK_ROWS]]
+    names = [f"{row.get('video')}.mp4" for _, _, row in rows[:ROOT_CHECK_ROWS]]
     for candidate in (path.parent, path.parent / "videos"):
         if any((candidate / name).is_file() for name in names):
             return candidate
@@ -316,9 +356,13 @@ def load(split: str = "train", source: str | None = None, *, video_root: str | N
       ``.csv``     NExT-QA's multiple choice CSV (5 options).
     Relative paths resolve against ``video_root`` when given, else the data file's folder (NExT-QA: the
     CSV's folder, or its ``videos/`` subfolder when that holds the clips). FileNotFoundError when none of the
-    first ROOT_CHECK_ROWS samples' files exist (a wrong root), naming the root and the first missing file.
-    Each Sample: ``answer`` = the correct letter or the short answer; ``meta`` = {"kind": "multiple_choice" |
-    "short_answer", "choices", "answer_text" (multiple choice), "precision": None, "source", ...}.
+    first ROOT_CHECK_ROWS samples' files exist (a wrong root), naming the root and the first missing file;
+    ValueError naming the file and line for a file that is not UTF-8 or not CSV, or a row without a column of
+    its schema. A row with a value its type cannot use (a blank or missing option, a numerical answer that is
+    no number, NaN, an answer index outside 0..4, a NUL byte in a path) is skipped and counted
+    (``malformed_rows``); a file of nothing else is a ValueError. Each Sample: ``answer`` = the correct letter
+    or the short answer; ``meta`` = {"kind": "multiple_choice" | "short_answer", "choices", "answer_text"
+    (multiple choice), "precision": None, "source", ...}.
     """
     if source is None:
         path = embedded_split_file(NAME, split, EMBEDDED_SPLITS, DATA_DIR, "python data/make_video.py")

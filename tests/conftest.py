@@ -61,7 +61,7 @@ TINY_RUN = (
 
 def tiny_run_config(model_dir, out_dir, *extra, steps: int = 4):
     """The config of a tiny end-to-end run of ``steps`` steps in ``out_dir`` (``extra``: more overrides)."""
-    from vlm_grpo_ma.run.config import load_config
+    from vlm_grpo_ma.run.config_files import load_config
 
     return load_config(
         None, [f"model.name_or_path={model_dir}", f"train.output_dir={out_dir}", f"train.steps={steps}", *TINY_RUN, *extra]

@@ -7,6 +7,11 @@ from pathlib import Path
 
 from vlm_grpo_ma.task_api.registry import Task, register_task
 
+# How long a "sleep" request hangs. A call that returns within HANG_S / 10 (a bound no loaded machine misses,
+# and short of the pool's 120 s LOAD_LIMIT_S, which a running reward must not be held to) was cut off at its
+# deadline, not waited out.
+HANG_S = 600.0
+
 
 def length_or_raise(completion, sample):
     """Raises on answers whose length is a multiple of 5; else the length / 10 and the worker's pid."""
@@ -16,13 +21,14 @@ def length_or_raise(completion, sample):
 
 
 def hang_on_request(completion, sample):
-    """Sleeps or busy-loops forever when the answer says so (writing its pid to ``sample.meta["pid_file"]``
-    first); else scores 1."""
+    """Sleeps HANG_S seconds or busy-loops forever when the answer says so (writing its pid to
+    ``sample.meta["pid_file"]`` first); else scores 1."""
     if completion.answer in ("sleep", "loop"):
         if sample.meta.get("pid_file"):
             Path(sample.meta["pid_file"]).write_text(str(os.getpid()))
         if completion.answer == "sleep":
-            time.sleep(10_000)
+            time.sleep(HANG_S)
+            return {"ok": 1.0}
         while True:
             pass
     if completion.answer == "exit":

@@ -11,11 +11,12 @@ import torch
 from PIL import Image
 
 from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
-from vlm_grpo_ma.engines.vllm import REQUIRE_ENV, streamed_weights, unexpanded_ids, vllm_installed
+from vlm_grpo_ma.engines.vllm import REQUIRE_ENV, streamed_weights, vllm_installed
 from vlm_grpo_ma.model.loading import load_policy
 from vlm_grpo_ma.model.logprobs import sequence_logprobs
 from vlm_grpo_ma.model.prompts import encode_prompt
-from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.config import ConfigError
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.rollout_engine import check_engine
 from vlm_grpo_ma.task_api.registry import Sample
 
@@ -85,12 +86,6 @@ def test_a_vllm_that_does_not_import_is_refused_before_the_model_loads(tmp_path)
     assert "vLLM is installed and does not import: ImportError: vllm/_C.abi3.so: undefined symbol" in done.stderr
     assert "scripts/setup.sh --vllm" in done.stderr and "Traceback" not in done.stderr
     assert "trainable:" not in done.stdout + done.stderr  # stopped before the model loaded
-
-
-def test_unexpanded_ids_collapse_each_image_run():
-    assert unexpanded_ids([1, 9, 9, 9, 2, 9, 9, 3], 9) == [1, 9, 2, 9, 3]
-    assert unexpanded_ids([1, 2], 9) == [1, 2]
-    assert unexpanded_ids([1, 9, 9, 2, 8, 8, 8, 3], 9, 8) == [1, 9, 2, 8, 3]  # a video's placeholders too
 
 
 def test_streamed_weights_are_the_merged_model_one_tensor_at_a_time_in_the_engines_dtype(untrained_tiny_dir):

@@ -7,7 +7,7 @@ import pytest
 
 from vlm_grpo_ma.run import evaluation
 from vlm_grpo_ma.run import loop as train_module
-from vlm_grpo_ma.run.config import load_config
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.task_api.coords import CoordinateFrame
 from vlm_grpo_ma.task_api.registry import Completion, Sample, Task, get_task
 from vlm_grpo_ma.tools import evaluate
@@ -116,6 +116,9 @@ def test_resolve_model_kinds(tmp_path, monkeypatch):
     assert evaluate.resolve_model(str(run)) == evaluate.ModelSpec("myrun@step-000020", str(run / "checkpoints/step-000020/model"))
     assert evaluate.resolve_model(str(run), step=10).label == "myrun@step-000010"
     assert evaluate.resolve_model(str(run / "checkpoints/step-000010")).label == "myrun@step-000010"
+    # a checkpoint's model/ folder is its run's model (and video budget), not a folder named "model"
+    model = run / "checkpoints/step-000010/model"
+    assert evaluate.resolve_model(str(model)) == evaluate.ModelSpec("myrun@step-000010", str(model))
     with pytest.raises(FileNotFoundError, match="no checkpoint for --step 30; it has: step-000010, step-000020"):
         evaluate.resolve_model(str(run), step=30)
     assert evaluate.resolve_model("Qwen/Qwen2.5-VL-3B-Instruct") == evaluate.ModelSpec("Qwen__Qwen2.5-VL-3B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct")

@@ -89,10 +89,46 @@ def test_the_evaluate_command_refuses_a_video_budget_under_two_frames(tmp_path, 
 def test_a_runs_model_is_evaluated_at_the_video_budget_it_trained_with(tmp_path):
     """A run folder's saved config gives the budget (evaluate's --video-* unset); a folder without one gives
     none (training's defaults then). Planted: run_video_budget reading the defaults only; this failed."""
-    from vlm_grpo_ma.run.config import load_config, save_config
+    from vlm_grpo_ma.run.config_files import load_config, save_config
     from vlm_grpo_ma.task_api.videos import VideoBudget
 
     cfg = load_config(None, ["model.video_fps=1.0", "model.video_max_frames=4", "model.video_max_pixels=3136"])
     save_config(cfg, tmp_path / "config.yaml")
     assert evaluate.run_video_budget(tmp_path) == VideoBudget(fps=1.0, max_frames=4, max_pixels=3136)
     assert evaluate.run_video_budget(tmp_path / "elsewhere") is None
+
+
+def test_one_video_flag_replaces_only_its_key_of_the_runs_budget_and_a_resume_keeps_the_budget(tmp_path, untrained_tiny_dir, capsys):
+    """A run that trained at 1 fps, 2 frames, 56x56 pixels, evaluated with --video-fps 4 alone: the other two
+    keys stay the run's, so the 8-frame clip is seen (and drawn) as 2 frames; continuing that evaluation at
+    another fps is refused in one line naming both budgets, before the model loads (stderr holds no loading
+    bar); the same budget resumes. Planted: one flag setting the other keys to training's defaults (the budget
+    became 4 fps, 16 frames, 100352 pixels), and the budget left out of settings.json (nothing recorded, so the
+    resume at 2 fps would run); each failed here."""
+    import json
+    import shutil
+
+    from vlm_grpo_ma.run.config_files import load_config, save_config
+
+    _register(tmp_path / "clips")
+    run = tmp_path / "run"
+    shutil.copytree(untrained_tiny_dir, run / "checkpoints" / "step-000001" / "model")
+    (run / "checkpoints" / "step-000001" / "state.pt").write_bytes(b"")  # evaluate reads the model only
+    save_config(load_config(None, ["model.video_fps=1", "model.video_max_frames=2", "model.video_max_pixels=3136"]), run / "config.yaml")
+    out = tmp_path / "eval"
+    args = ["--models", str(run), "--tasks", TASK_NAME, "--max-thought-tokens", "2", "--max-answer-tokens", "2",
+            "--draw", "1", "--output-dir", str(out), "--no-progress"]  # fmt: skip
+    assert evaluate.main([*args, "--video-fps", "4"]) == 0
+    bench = out / "run@step-000001" / f"{TASK_NAME}-test"
+    assert json.loads((bench / "settings.json").read_text())["video_budget"] == {"fps": 4.0, "max_frames": 2, "max_pixels": 3136}
+    (drawing,) = (bench / "draw").glob("*.png")
+    assert Image.open(drawing).width == 2 * 56 + 2
+    capsys.readouterr()
+    assert evaluate.main([*args, "--video-fps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {bench} holds an evaluation with other settings (video_budget: {{'fps': 4.0, 'max_frames': 2,"
+        " 'max_pixels': 3136} there, {'fps': 2.0, 'max_frames': 2, 'max_pixels': 3136} now). Use another"
+        " --output-dir, or delete that folder to start it again\n"
+    )
+    assert evaluate.main([*args, "--video-fps", "4"]) == 0

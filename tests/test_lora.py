@@ -241,3 +241,17 @@ def test_merge_cli_rejects_a_folder_that_is_not_an_adapter(untrained_tiny_dir, t
     with pytest.raises(SystemExit) as exit_info:
         lora.main(["merge", str(tmp_path / "nowhere"), str(tmp_path / "out")])
     assert exit_info.value.code == 2 and "nowhere: no such folder" in capsys.readouterr().err
+
+
+def test_targets_the_loaded_model_lacks_are_a_config_error_not_a_traceback(tiny_policy):
+    """A model architectures.py cannot describe (a hub id it has no entry for) has its targets checked once
+    loaded, by apply_lora, whose ValueError reached the train command as a traceback. Planted: the try around
+    apply_lora in setup.configure_trainable removed; a ValueError, not a ConfigError (train's one-line path)."""
+    from vlm_grpo_ma.run.config import ConfigError
+    from vlm_grpo_ma.run.config_files import load_config
+    from vlm_grpo_ma.run.setup import configure_trainable
+
+    cfg = load_config(None, ["model.lora_rank=2", "model.lora_target_modules=[q_proj,qkv]"])
+    with pytest.raises(ConfigError, match=r"^model.lora_target_modules=\['q_proj', 'qkv'\]: LoRA target_modules \['qkv'\] match no Linear"):
+        configure_trainable(tiny_policy, cfg)
+    assert tiny_policy.adapter is None and lora.adapted_module_names(tiny_policy.model) == []

@@ -19,7 +19,7 @@ from vlm_grpo_ma.model.architectures import (
     parameter_counts,
 )
 from vlm_grpo_ma.run import memory_model
-from vlm_grpo_ma.run.config import load_config
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.tools import memory
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import pytest
 
 from vlm_grpo_ma.model.architectures import Architecture
 from vlm_grpo_ma.run import memory_model
-from vlm_grpo_ma.run.config import load_config
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.tools import memory
 
 # tests/test_memory.py's small text model (layer: 208 bytes a token, kv width 2) with Qwen2.5-VL's vision patches:

@@ -201,7 +201,8 @@ def test_an_unknown_policy_loss_names_the_known_ones():
 
 
 def test_config_choices_are_the_registered_policy_losses():
-    from vlm_grpo_ma.run.config import CHOICES, ConfigError, load_config
+    from vlm_grpo_ma.run.config import CHOICES, ConfigError
+    from vlm_grpo_ma.run.config_files import load_config
 
     assert CHOICES["algorithm.policy_loss"] == tuple(POLICY_LOSSES)
     with pytest.raises(ConfigError, match="algorithm.policy_loss='sapo' is not valid; choose one of: ppo, gspo, cispo"):
@@ -229,7 +230,8 @@ def test_overlong_penalty_ramps_over_the_buffer_before_the_limit():
 
 
 def test_overlong_buffer_longer_than_the_limit_is_refused_at_start():
-    from vlm_grpo_ma.run.config import ConfigError, load_config
+    from vlm_grpo_ma.run.config import ConfigError
+    from vlm_grpo_ma.run.config_files import load_config
 
     with pytest.raises(ConfigError, match="algorithm.overlong_buffer_answer_tokens=30 must be <= rollout.max_answer_tokens=24"):
         load_config(None, ["algorithm.overlong_buffer_answer_tokens=30"])

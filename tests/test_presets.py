@@ -12,7 +12,7 @@ from unittest import mock
 import pytest
 import torch
 
-from vlm_grpo_ma.run.config import load_config
+from vlm_grpo_ma.run.config_files import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATE_DIR = ROOT / "configs" / "accelerate"

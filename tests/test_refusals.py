@@ -9,7 +9,8 @@ import pytest
 from conftest import TINY_RUN
 
 from vlm_grpo_ma.run import cli
-from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.config import ConfigError
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.trackers import check_trackers
 
 
@@ -175,3 +176,74 @@ def test_the_largest_tree_named_is_the_largest_that_fits():
     assert tree_too_large(arch, cfg, 1, "ddp", peak[64]) is None
     smallest = estimate(arch, load_config(None, ["rollout.num_thoughts=2", "rollout.num_answers=1", "algorithm.advantage_estimator=grpo", "algorithm.answer_baseline=prompt"])).peak
     assert tree_too_large(arch, cfg, 1, "ddp", smallest // 2) is None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 45: model folders, LoRA targets and runs without a checkpoint, in one line from train and evaluate
+
+
+def _broken_model_folders(tmp_path, untrained_tiny_dir):
+    """(what is given as the model, the message after ``<key> '<given>': ``) for each way a folder fails."""
+    not_json, no_weights, no_family = tmp_path / "not-json", tmp_path / "no-weights", tmp_path / "no-family"
+    for folder in (not_json, no_weights, no_family):
+        folder.mkdir()
+    (not_json / "config.json").write_text("{model_type: qwen2_5_vl")
+    (no_weights / "config.json").write_text((untrained_tiny_dir / "config.json").read_text())
+    (no_family / "config.json").write_text('{"model_type": "llama"}')
+    hint = "give a folder, a hub id like Qwen/Qwen2.5-VL-3B-Instruct, or 'tiny' for the embedded model"
+    return [
+        (str(not_json), f"{not_json / 'config.json'} is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+        (str(no_weights), f"{no_weights} holds no weights (no *.safetensors or *model*.bin file)"),
+        (str(no_family), f"{no_family / 'config.json'}: unsupported model_type 'llama'; supported: qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl"),
+        ("tiny/", f"no such local folder ({hint})"),
+    ]
+
+
+def test_a_broken_model_folder_is_one_line_from_train_and_from_evaluate(tmp_path, untrained_tiny_dir, monkeypatch, capsys):
+    """A config.json that is not JSON, a folder without weights, a model family not supported, and ``tiny/``
+    (no such folder): transformers' OSError traceback (train) or a many-line message, and for ``tiny/`` the hub's
+    HFValidationError. Now each is one line naming the folder and what is wrong, before anything loads, and
+    evaluate names --models. Planted: _check_model_folder not called (train raised OSError; evaluate printed
+    transformers' message) and the hub-id check removed (HFValidationError's message); each case failed."""
+    from vlm_grpo_ma.tools import evaluate
+
+    monkeypatch.chdir(tmp_path)  # `tiny/` is no folder here
+    for given, problem in _broken_model_folders(tmp_path, untrained_tiny_dir):
+        assert cli.main(["--output-dir", str(tmp_path / "run"), f"model.name_or_path={given}", *TINY_RUN]) == 2
+        assert capsys.readouterr().err == f"error: model.name_or_path {given!r}: {problem}\n"
+        assert evaluate.main(["--models", given, "--limit", "1", "--output-dir", str(tmp_path / "e"), "--no-progress"]) == 2
+        assert capsys.readouterr().err == f"error: --models {given!r}: {problem}\n"
+    assert not (tmp_path / "run").exists() and not (tmp_path / "e").exists()
+
+
+def test_evaluating_a_run_before_its_first_checkpoint_is_one_line(tmp_path, capsys):
+    """A run folder holds config.yaml and metrics before its first checkpoint; evaluate took it for a model
+    folder and printed transformers' 'Should have a `model_type` key'. Planted: a run recognised by its
+    checkpoints/ only; the error was about config.json, not the missing checkpoint."""
+    from vlm_grpo_ma.run.config_files import save_config
+    from vlm_grpo_ma.tools import evaluate
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config(None, []), run / "config.yaml")
+    (run / "metrics.jsonl").write_text("")
+    assert evaluate.main(["--models", str(run), "--output-dir", str(tmp_path / "e"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: run {run} has no checkpoint yet (a run writes one every train.checkpoint_every steps and at its end);"
+        " evaluate it once one is written\n")  # fmt: skip
+
+
+def test_lora_targets_the_decoder_lacks_are_one_line_before_anything_loads(tmp_path, untrained_tiny_dir, capsys):
+    """``model.lora_target_modules=[q_proj, qkv]`` (qkv: the vision tower's) raised the memory model's ValueError
+    as a traceback (or apply_lora's after the model loaded). Now one line naming the key, the bad name and the
+    decoder's projections (read from config.json), exit 2, no run folder. Planted: the check not called in
+    setup_run; lora_counts' ValueError propagated out of cli.main."""
+    run = tmp_path / "run"
+    code = cli.main(["--output-dir", str(run), f"model.name_or_path={untrained_tiny_dir}", *TINY_RUN, "model.lora_rank=2",
+                     "model.lora_target_modules=[q_proj,qkv]"])  # fmt: skip
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"error: model.lora_target_modules=['q_proj', 'qkv']: ['qkv'] match no projection of the decoder of"
+        f" {untrained_tiny_dir}; its projections are: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj\n"
+    )
+    assert not run.exists()

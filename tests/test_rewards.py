@@ -16,7 +16,10 @@ from vlm_grpo_ma.run.rewards import score_rollout, task_reward
 from vlm_grpo_ma.task_api.registry import Completion, Sample, Task, get_task, register_task
 from vlm_grpo_ma.task_api.reward_pool import RewardError, RewardPool, RewardTimeout
 
-SLACK_S = 3.0  # killing and replacing a worker, pickling, a loaded 2-core machine
+# No wall-clock limit here that a loaded machine can miss (issue 45): a deadline is shown by what it produces
+# (score 0, the timeout counted, the worker killed), and a call is shown not to have waited out a hang by
+# returning within a tenth of it (reward_test_tasks.HANG_S).
+WAIT_S = reward_test_tasks.HANG_S / 10
 
 
 def make_rollout(task: str, answers: list[list[str]], num_answers: int, meta: dict | None = None) -> Rollout:
@@ -72,21 +75,20 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize(("how", "workers"), [("sleep", 1), ("loop", 3)])
 def test_a_reward_past_its_deadline_scores_zero_is_counted_and_killed(how, workers, tmp_path):
+    """Planted, each alone (HANG_S = 5): no deadline (the sleep was waited out and scored 1; the loop never
+    returned); a running reward held to LOAD_LIMIT_S = 120 s (scored 0 and counted, but after 120 s); the
+    stuck worker left running."""
     pid_file = tmp_path / "pid"
     answers = [["ok", how, "ok", "ok"], ["ok", "ok", "ok", "ok"]]
     rollout = make_rollout("hang_on_request", answers, num_answers=2, meta={"pid_file": str(pid_file)})
     started = time.monotonic()
     scored = score_rollout(rollout, workers=workers, timeout_s=0.3)
-    assert time.monotonic() - started < 0.3 + SLACK_S
+    assert time.monotonic() - started < WAIT_S  # cut off, not waited out
     assert scored.counters["reward_timeouts"] == 1 and scored.counters["reward_errors"] == 0
     assert scored.rewards.flatten().tolist() == [1, 0, 1, 1, 1, 1, 1, 1]
     assert scored.per_answer_parts[1] == {"reward": 0.0}
-    pid = int(pid_file.read_text())
-    for _ in range(50):  # the stuck worker was killed (its exit is reaped by the fork server)
-        if not _alive(pid):
-            break
-        time.sleep(0.05)
-    assert not _alive(pid), "the worker stuck in the reward still runs"
+    # the stuck worker was killed, and reaped before the call returned
+    assert not _alive(int(pid_file.read_text())), "the worker stuck in the reward still runs"
     again = score_rollout(make_rollout("hang_on_request", [["ok", "ok"]], num_answers=1), workers=workers)
     assert again.rewards.flatten().tolist() == [1, 1]  # the pool carries on with a replacement worker
 
@@ -136,30 +138,32 @@ GAMMA = r"\Gamma(\Gamma(\Gamma(5)))"
 
 def test_a_hanging_reward_from_a_thread_finishes_within_the_deadline():
     """A reward that never finishes (sympy on an answer its screen missed, say), called from a thread, where a
-    SIGALRM timer does nothing: the worker's deadline still ends it."""
+    SIGALRM timer does nothing: the worker's deadline still ends it. Planted: no deadline (the reward did not
+    come back)."""
     task = get_task("hang_on_request")
     sample = Sample("hang_on_request", "g", "q", (), None, {})
     result = []
-    started = time.monotonic()
     thread = threading.Thread(
         target=lambda: result.append(task_reward(task, task.reward_weights, Completion("t", "loop"), sample, timeout_s=1.0))
     )
     thread.start()
-    thread.join(1.0 + SLACK_S + 10)  # + a fresh worker's start (not counted by the deadline)
+    thread.join(WAIT_S)  # the loop never ends: only the deadline (+ a fresh worker's start) brings it back
     assert result, "the reward did not come back"
     parts, reward, error = result[0]
     assert isinstance(error, RewardTimeout) and reward == 0.0 and parts == {}
-    assert time.monotonic() - started < 1.0 + SLACK_S + 10
 
 
 def test_hostile_math_through_score_rollout_with_workers():
-    # GAMMA ran until the deadline before issue 23; the screen now refuses it: scored 0 at once, no timeout
+    """GAMMA ran until the deadline before issue 23; the grammar (a command the truth lacks) and the screen now
+    refuse it: scored 0 without a timeout, within a tenth of a deadline it would have run to. Planted: both
+    refusals off (math_verify_equal without the screen, is_equivalent without the grammar's refusal): a
+    timeout, after the whole deadline."""
     answers = [[f"<answer>{GAMMA}</answer>", "<answer>6</answer>", "<answer>7</answer>", "<answer>6</answer>"]]
     rollout = make_rollout("math", answers, num_answers=2)
     score_rollout(make_rollout("math", [["<answer>1+1</answer>"] * 2], num_answers=1), workers=2)  # import sympy
     started = time.monotonic()
-    scored = score_rollout(rollout, workers=2, timeout_s=30.0)
-    assert time.monotonic() - started < 1.0 + SLACK_S
+    scored = score_rollout(rollout, workers=2, timeout_s=reward_test_tasks.HANG_S)
+    assert time.monotonic() - started < WAIT_S
     assert scored.counters["reward_timeouts"] == 0
     assert scored.parts["accuracy"].flatten().tolist() == [0, 1, 0, 1]
 

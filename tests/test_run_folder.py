@@ -13,6 +13,8 @@ from conftest import TINY_RUN
 
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run import cli
+from vlm_grpo_ma.run.config import Config
+from vlm_grpo_ma.run.config_files import save_config
 from vlm_grpo_ma.tools import evaluate
 
 
@@ -26,7 +28,7 @@ def held_by_another_process(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    (run / "config.yaml").write_text("train: {steps: 1}\n")
+    save_config(Config(), run / "config.yaml")
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; from vlm_grpo_ma.run.run_dir import hold_run_dir; "
          "lock = hold_run_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)", str(run)],

@@ -25,7 +25,8 @@ import pytest
 from conftest import tiny_run_config
 from PIL import Image, ImageChops
 
-from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.config import ConfigError
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.trackers import TRACKERS, Tracker, check_trackers, open_trackers, register_tracker
 
 EXTRA = "needs the trackers extra (pip install -e '.[trackers]'; .ci/run installs it)"

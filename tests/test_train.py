@@ -13,7 +13,8 @@ from vlm_grpo_ma.run import cli, distributed
 from vlm_grpo_ma.run import loop as train_module
 from vlm_grpo_ma.run import setup as run_setup
 from vlm_grpo_ma.run.checkpoint import latest_checkpoint, list_checkpoints
-from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.config import ConfigError
+from vlm_grpo_ma.run.config_files import load_config
 
 LENGTH_TASK = str(Path(__file__).parent / "fixtures" / "answer_length_task.py")
 

@@ -173,6 +173,84 @@ def test_bad_rows_name_file_row_and_key(tmp_path):
         video.load(source=str(tmp_path / "x.parquet"))
 
 
+NEXTQA_CSV = (FIXTURES / "nextqa" / "val.csv").read_text().splitlines()
+
+
+def test_an_unreadable_nextqa_file_is_one_line_naming_file_and_line(tmp_path):
+    """Issue 45: a field over csv's 131,072-character limit (an unclosed quote) raised csv.Error, no ValueError,
+    so a traceback; a Latin-1 file raised UnicodeDecodeError naming no file. Planted: the CSV read with
+    csv.DictReader over open(..., encoding="utf-8-sig") as before; both failed."""
+    source = tmp_path / "val.csv"
+    source.write_text("\n".join([*NEXTQA_CSV[:2], '7,8,84,84,"what is' + " long" * 30000, *NEXTQA_CSV[2:]]) + "\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(source))}:3: not a CSV row \(field larger than field"):
+        video.load(source=str(source))
+    source.write_bytes("\n".join([*NEXTQA_CSV[:2], NEXTQA_CSV[2].replace("colour", "colou\xe9r")]).encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(source))}:3: not UTF-8 text"):
+        video.load(source=str(source))
+
+
+def test_malformed_rows_are_skipped_and_counted_in_one_line(tmp_path, caplog):
+    """Issue 45: a short NExT-QA row became a sample with the options "None", a blank option one with a blank
+    option, a Video-R1 numerical solution "[1]" and a NaN answer samples no answer can match, a NUL byte in a
+    path an error when the trainer opened it. Each row is skipped and counted, and each file logs one line.
+    Planted, each alone: the check of the fields against the header removed (the short row became a sample with
+    options "None"); _choices without its blank check; the numerical check removed; _short_answer without its
+    finiteness check; resolved_path without its NUL check (pathlib's "embedded null byte" at load); the Video-R1
+    solution's type check (the list [1] became the free-form answer "[1]"). Each failed."""
+    header, good = NEXTQA_CSV[0], NEXTQA_CSV[1:]
+    bad = [
+        "4010069381,8,84,84,what is drawn,0,5,DL,a line,a dog,a car",  # short: a3, a4 missing
+        "4010069381,8,84,84,what is drawn,0,6,DL,a line,,a car,a tree,nothing",  # a blank option
+        "4010069381,8,84,84,what is drawn,nan,7,DL,a line,a dog,a car,a tree,nothing",  # answer NaN
+        "4010069381,8,84,84,what is drawn,5,8,DL,a line,a dog,a car,a tree,nothing",  # past the last option
+        "4010069381\x00x,8,84,84,what is drawn,0,9,DL,a line,a dog,a car,a tree,nothing",  # a NUL byte
+        "4010069381,8,84,84,what, if anything, is drawn,0,10,DL,a line,a dog,a car,a tree,nothing",  # two commas
+    ]
+    source = tmp_path / "val.csv"
+    source.write_text("\n".join([header, good[0], *bad, *good[1:]]) + "\n")
+    with count_load_skips() as skipped, caplog.at_level("WARNING", logger="vlm_grpo_ma.data"):
+        samples = video.load(source=str(source), video_root=str(FIXTURES / "nextqa" / "videos"))
+    assert [sample.id for sample in samples] == ["nextqa-4010069381-0", "nextqa-4010069381-1", "nextqa-4010069382-0"]
+    assert skipped == {"malformed_rows": 6}
+    assert [record.getMessage() for record in caplog.records] == [
+        f"6 rows of {source} skipped: 11 fields under a header of 13 (first at {source}:3)"
+    ]
+
+    rows = json.loads((FIXTURES / "video_r1.json").read_text())
+    numerical, choice = rows[1], rows[0]
+    rows += [
+        {**numerical, "problem_id": 10, "solution": "<answer>[1]</answer>"},
+        {**numerical, "problem_id": 11, "problem_type": "free-form", "solution": [1]},
+        {**numerical, "problem_id": 12, "solution": "<answer>NaN</answer>"},
+        {**numerical, "problem_id": 13, "problem_type": "OCR", "solution": "<answer>nan</answer>"},
+        {**choice, "problem_id": 14, "options": ["A. left", None, "C. up", "D. down"]},
+        {**choice, "problem_id": 15, "options": ["A. left", " ", "C. up", "D. down"]},
+        {**choice, "problem_id": 16, "path": "./clips/direction.mp4\x00.txt"},
+    ]
+    source = tmp_path / "r1.json"
+    source.write_text(json.dumps(rows))
+    caplog.clear()
+    with count_load_skips() as skipped, caplog.at_level("WARNING", logger="vlm_grpo_ma.data"):
+        samples = video.load(source=str(source), video_root=str(FIXTURES))
+    assert [s.id for s in samples] == ["1", "2", "3", "4", "1#2"]
+    assert skipped == {"unsupported_rows": 1, "malformed_rows": 7}
+    assert sorted(record.getMessage() for record in caplog.records) == [
+        f"1 row of {source} skipped: problem_type 'regression' has no exact answer to grade (first at {source}: row 4)",
+        f"7 rows of {source} skipped: a numerical solution must be a number, got '[1]' (first at {source}: row 6)",
+    ]
+
+    good = json.loads((FIXTURES / "project.jsonl").read_text().splitlines()[1])  # the short answer "1"
+    source = tmp_path / "rows.jsonl"
+    source.write_text(json.dumps(good) + "\n" + json.dumps({**good, "id": "nan", "answer": float("nan")}) + "\n")
+    with count_load_skips() as skipped:
+        assert [s.id for s in video.load(source=str(source), video_root=str(FIXTURES))] == [good["id"]]
+    assert skipped == {"malformed_rows": 1}
+    source.write_text(json.dumps({**good, "id": "nan", "answer": float("nan")}) + "\n")
+    every_row = r"rows\.jsonl: every row was skipped \(1 malformed_rows: a short answer must be a finite"
+    with pytest.raises(ValueError, match=every_row):
+        video.load(source=str(source), video_root=str(FIXTURES))
+
+
 def test_embedded_splits():
     task = get_task("video")
     for split, size in (("train", 600), ("test", 150)):

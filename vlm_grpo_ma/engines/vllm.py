@@ -3,10 +3,13 @@
 Stage 1 sends each prompt (its image as ``multi_modal_data``) with ``n = K`` and stops at the thought's stop
 text (a thought that reaches its limit gets the closing tag forced, as the HF engine does). Stage 2 sends each
 thought as prompt ids + thought ids with ``n = M``: the prompt's and thought's KV blocks are found in the
-prefix cache, not recomputed. Prompts are sent as token ids with one image placeholder per image (vLLM expands
-it to the image's patch count; already-expanded ids would be expanded again). Videos likewise: one placeholder per
-video, the frames and metadata the HF path gives its processor (``video_item``); vLLM's own mRoPE positions are
-the trainer's (``prompts.text_after_video_positions``; docs/VLLM.md, "Video").
+prefix cache, not recomputed. Prompts are sent as token ids with one placeholder per image and per video
+(``EncodedPrompt.unexpanded_ids``: the trainer's processor ids with each expansion collapsed; vLLM expands them
+itself, Qwen3-VL's frame timestamps included; already-expanded ids would be expanded again), with the images and
+the frames and metadata the HF path gives its processor (``prompts.PromptMedia``); vLLM's own mRoPE positions are
+the trainer's (``prompts.text_after_video_positions``; docs/VLLM.md, "Video"). A model whose videos vLLM cannot
+read here (Qwen3-VL, Qwen3.5 under vLLM 0.32 and transformers 5.25) is refused when the engine starts for data
+with videos (``check_videos``).
 
 Every process of a launch hosts the engine in-process: one process alone runs vLLM's own single-worker
 executor; a launch of N processes gives vLLM its process group (``distributed_executor_backend=
@@ -49,8 +52,8 @@ from vlm_grpo_ma.engines.decode import SamplingSettings, TreeSample
 from vlm_grpo_ma.engines.rollout import Rollout, rollout_from_tree
 from vlm_grpo_ma.model import linear_attention
 from vlm_grpo_ma.model.loading import Policy
-from vlm_grpo_ma.model.prompts import EncodedPrompt, open_image
-from vlm_grpo_ma.task_api.videos import DecodedVideo, decode_video
+from vlm_grpo_ma.model.prompts import EncodedPrompt, PromptMedia
+from vlm_grpo_ma.task_api.videos import DecodedVideo
 
 INSTALL_COMMAND = "scripts/setup.sh --vllm"
 BLOCK_SIZE = 32  # tokens per KV block: the CPU backend's smallest; only full blocks are shared between requests
@@ -106,37 +109,6 @@ def hybrid_model(model_dir: str) -> bool:
     from transformers import AutoConfig
 
     return linear_attention.is_hybrid(AutoConfig.from_pretrained(model_dir))
-
-
-def unexpanded_ids(input_ids: Sequence[int], image_token_id: int, video_token_id: int | None = None) -> list[int]:
-    """Prompt ids with each run of image (and video) placeholders collapsed to one (the form vLLM expands itself)."""
-    placeholders = {image_token_id} if video_token_id is None else {image_token_id, video_token_id}
-    out: list[int] = []
-    for token in input_ids:
-        if not (token in placeholders and out and out[-1] == token):
-            out.append(token)
-    return out
-
-
-# The HF processor's video settings for frames already chosen and sized (prompts._video_inputs): scoped to the
-# video processor (a flat do_resize=False would reach the images too), sent with every request that holds a video.
-VIDEO_PROCESSOR_KWARGS = {"videos_kwargs": {"do_sample_frames": False, "do_resize": False}}
-
-
-def video_item(video: DecodedVideo) -> tuple:
-    """A decoded video as vLLM's Qwen-VL processors take pre-sampled frames: (uint8 frames [T, H, W, 3], metadata).
-    The metadata is what the HF path gives the processor (``prompts._video_inputs``): the source's frame count and
-    fps and the chosen frames' indices, from which the processor computes the sampled fps (Qwen2.5-VL's
-    second_per_grid_ts, Qwen3-VL's timestamps); ``do_sample_frames`` False (Qwen3-VL reads it from here,
-    Qwen2.5-VL drops it and takes VIDEO_PROCESSOR_KWARGS')."""
-    frames = video.frames.permute(0, 2, 3, 1).contiguous().numpy()
-    metadata = {
-        **video.metadata,
-        "duration": video.total_frames / video.source_fps,
-        "video_backend": "pyav",
-        "do_sample_frames": False,
-    }
-    return frames, metadata
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -237,6 +209,13 @@ class VLLMEngine:
         # The CPU worker replaces torch.set_num_threads with a warning, which image processing then prints
         # thousands of times a step; the thread count is the engine's either way.
         logging.getLogger("vllm.v1.worker.cpu_worker").addFilter(lambda record: "set_num_threads" not in record.getMessage())
+        self.model_dir = model_dir
+        if max_videos:  # refused here, at the run's start, rather than at the first step's video
+            try:
+                self.check_videos()
+            except ValueError:
+                self.close(orderly=True)  # every process of a launch fails the same check
+                raise
         self._counted = self.prefix_counters()
 
     # ------------------------------------------------------------------------------------------------------
@@ -259,6 +238,37 @@ class VLLMEngine:
             self.llm.wake_up(tags=["kv_cache", "scheduling"])
             self.asleep = False
         self.forget_cached()
+
+    def check_videos(self) -> None:
+        """ValueError, naming vLLM's error, where vLLM cannot read this model's videos: a blank two-frame video is
+        sent through it (one greedy token; caches cleared after). vLLM 0.32's Qwen3-VL processor (Qwen3.5's is the
+        same) fails so under transformers 5.25 whatever the prompt: it runs the HF processor on a text that holds a
+        video placeholder and no video, which transformers now refuses ("Found 1 <|video_pad|> tokens in the text
+        but no videos were passed"; docs/VLLM.md, "Video")."""
+        import transformers
+        import vllm
+        from transformers import AutoConfig
+        from vllm import SamplingParams
+
+        config = AutoConfig.from_pretrained(self.model_dir)
+        side = 2 * config.vision_config.patch_size * config.vision_config.spatial_merge_size
+        blank = DecodedVideo(torch.zeros((2, 3, side, side), dtype=torch.uint8), [0, 1], total_frames=2, source_fps=2.0)
+        ids = [config.vision_start_token_id, config.video_token_id, config.vision_end_token_id]  # the chat template's
+        request = {"prompt_token_ids": ids, **PromptMedia([], [blank]).vllm_inputs()}
+        try:
+            with torch.random.fork_rng():
+                self.llm.generate([request], SamplingParams(n=1, max_tokens=1, temperature=0.0), use_tqdm=False)
+        except Exception as error:  # what vLLM raises differs by model and version; its first cause says the most
+            cause = error.__cause__ or error
+            said = " ".join(str(cause).split()).rstrip(".")  # one line
+            raise ValueError(
+                f"vLLM {vllm.__version__} cannot read this model's videos with transformers {transformers.__version__}"
+                f" ({self.model_dir}): {type(cause).__name__}: {said}. For data with videos, use rollout.engine=hf"
+                ' with this model (docs/VLLM.md, "Video")'
+            ) from None
+        finally:
+            self.llm.reset_mm_cache()
+            self.forget_cached()
 
     def forget_cached(self) -> None:
         """Drop what the engine computed from earlier weights: the encoder cache (image features) and the prefix
@@ -316,22 +326,22 @@ class VLLMEngine:
                                         stop=[settings.thought_stop], **common)  # fmt: skip
         answer_params = SamplingParams(n=num_answers, max_tokens=settings.max_answer_tokens, stop=[settings.answer_stop], **common)
         # Decoded here, before the engine is called: a broken image or video raises ImageLoadError / VideoLoadError
-        # (the trainer skips and counts the sample). Videos as the HF path decodes them (prompts.encode_prompt).
-        images = [[open_image(image) for image in sample.images] for sample in samples]
-        videos = [[video_item(decode_video(video, policy.video_budget, factor=policy.patch_factor))
-                   for video in sample.videos] for sample in samples]  # fmt: skip
-        for kind, items, most in (("images", images, self.max_images), ("videos", videos, self.max_videos)):
-            if max(map(len, items), default=0) > most:
+        # (the trainer skips and counts the sample). The HF path's media (prompts.PromptMedia) in vLLM's form, and
+        # the prompt as the HF path's processor made it with each image's and video's expansion collapsed
+        # (EncodedPrompt.unexpanded_ids): vLLM expands them again, to the trainer's ids (stage 1 checks).
+        media = [PromptMedia.of(policy, sample) for sample in samples]
+        for kind, most in (("images", self.max_images), ("videos", self.max_videos)):
+            count = max((len(getattr(m, kind)) for m in media), default=0)
+            if count > most:
                 raise ValueError(
-                    f"a prompt has {max(map(len, items))} {kind}; the vllm engine was started for at most {most}"
+                    f"a prompt has {count} {kind}; the vllm engine was started for at most {most}"
                     " (the run starts it for the most any training prompt holds)"
                 )
-        heads = [unexpanded_ids(p.input_ids, policy.image_token_id, policy.video_token_id) for p in prompts]
+        heads = [p.unexpanded_ids for p in prompts]
+        inputs = [m.vllm_inputs() for m in media]
 
         def request(b: int, ids: list[int]) -> dict:
-            data = {kind: items[b] for kind, items in (("image", images), ("video", videos)) if items[b]}
-            extra = {"mm_processor_kwargs": VIDEO_PROCESSOR_KWARGS} if videos[b] else {}
-            return {"prompt_token_ids": ids, **({"multi_modal_data": data} if data else {}), **extra}
+            return {"prompt_token_ids": ids, **inputs[b]}
 
         stage1_requests = [request(b, heads[b]) for b in range(len(prompts))]
         self._prefill_first(stage1_requests)
@@ -375,7 +385,7 @@ class VLLMEngine:
             answer_ids=answer_ids,
             answer_logprobs=answer_logprobs,
             answer_truncated=answer_truncated,
-            vision_images_encoded=sum(map(len, images)) + sum(map(len, videos)),
+            vision_images_encoded=sum(len(m.images) + len(m.videos) for m in media),
         )
 
     def _prefill_first(self, requests: list[dict]) -> None:

@@ -453,6 +453,13 @@ def parameter_counts(arch: Architecture) -> ParameterCounts:
     return ParameterCounts(text=text, vision=vision, text_tensors=text_tensors, vision_tensors=vision_tensors, mtp=_mtp_count(arch))
 
 
+def decoder_projections(arch: Architecture) -> list[str]:
+    """The names of the decoder layers' projections (``text_layer_linears``) over every layer type the model has:
+    what ``model.lora_target_modules`` may name."""
+    kinds = dict.fromkeys(layer_types(arch.text))
+    return list(dict.fromkeys(name for kind in kinds for name in text_layer_linears(arch, kind)))
+
+
 def lora_counts(arch: Architecture, rank: int, target_modules: list[str]) -> tuple[int, int]:
     """(elements, tensors) of LoRA adapters of ``rank`` on the decoder layers' projections named in
     ``target_modules`` (A: rank x in, B: out x rank, per projection and layer); the vision tower gets none. On
@@ -460,7 +467,7 @@ def lora_counts(arch: Architecture, rank: int, target_modules: list[str]) -> tup
     Gated DeltaNet ones, the MLP's every layer."""
     kinds = layer_types(arch.text)
     linears = {kind: text_layer_linears(arch, kind) for kind in dict.fromkeys(kinds)}
-    valid = list(dict.fromkeys(name for per_kind in linears.values() for name in per_kind))
+    valid = decoder_projections(arch)
     unknown = [m for m in target_modules if m not in valid]
     if unknown:
         raise ValueError(f"LoRA target modules {unknown} are not decoder projections; valid: {', '.join(valid)}")

@@ -124,21 +124,62 @@ def pick_attn_implementation(requested: str) -> str:
 
 
 def checked_model_path(name_or_path: str, what: str) -> str:
-    """``tiny`` -> the embedded folder; an existing folder as it is; a hub id (``owner/name``) that is in the
-    local Hugging Face cache or that the hub knows. Anything else is a FileNotFoundError of one line, at once:
-    a mistyped local path (``runs/nope``, whose ``runs/`` exists, or any path that is no hub id) must not turn
-    into a minute of download retries."""
+    """``tiny`` -> the embedded folder; an existing model folder as it is (``_check_model_folder``); a hub id
+    (``owner/name``) that is in the local Hugging Face cache or that the hub knows. Anything else is a
+    FileNotFoundError (a broken folder's config: ValueError) of one line, at once: a mistyped local path
+    (``runs/nope``, whose ``runs/`` exists, ``tiny/``, or any path that is no hub id) must not turn into a
+    minute of download retries."""
     path = resolve_model_path(name_or_path)
     hint = "give a folder, a hub id like Qwen/Qwen2.5-VL-3B-Instruct, or 'tiny' for the embedded model"
     if Path(path).expanduser().is_dir():
+        _check_model_folder(Path(path).expanduser(), f"{what} {name_or_path!r}")
         return str(Path(path).expanduser())
-    looks_local = path.startswith(("/", ".", "~")) or path.count("/") != 1 or Path(path.split("/")[0]).is_dir()
+    looks_local = (
+        path.startswith(("/", ".", "~")) or path.count("/") != 1 or Path(path.split("/")[0]).is_dir()
+        or not _is_hub_id(path)  # `tiny/`: no folder, and the hub refuses the name before any request
+    )  # fmt: skip
     if looks_local:
         raise FileNotFoundError(f"{what} {name_or_path!r}: no such local folder ({hint})")
     problem = _hub_problem(path)
     if problem:
         raise FileNotFoundError(f"{what} {name_or_path!r}: no such local folder, and {problem} ({hint})")
     return path
+
+
+def _is_hub_id(name: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _check_model_folder(folder: Path, what: str) -> None:
+    """FileNotFoundError or ValueError of one line, starting with ``what``, when ``folder`` is no model folder
+    that transformers (or peft, with ``adapter_config.json``) loads: its config is missing or no JSON object, its
+    model_type no supported family, or it holds no weights. Read from file names and the config only, so a
+    broken folder is refused before anything loads, not by transformers in a many-line error."""
+    config_file = folder / ("adapter_config.json" if (folder / "adapter_config.json").is_file() else "config.json")
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{what}: {folder} has no config.json, so it is no model folder (a model folder holds config.json and"
+            " its weights; a run's models are in its checkpoints/step-*/model)"
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{what}: {config_file} is not JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{what}: {config_file} is not a JSON object")
+    if config_file.name == "config.json":
+        try:
+            coordinate_frame_for(config.get("model_type"))
+        except ValueError as error:
+            raise ValueError(f"{what}: {config_file}: {error}") from None
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*model*.bin")):
+        raise FileNotFoundError(f"{what}: {folder} holds no weights (no *.safetensors or *model*.bin file)")
 
 
 def _hub_problem(repo_id: str) -> str | None:

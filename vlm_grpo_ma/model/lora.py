@@ -64,6 +64,25 @@ def language_model_path(model: torch.nn.Module) -> str:
     return _module_path(model, language_model)
 
 
+def check_target_modules(name_or_path: str, target_modules: Sequence[str]) -> None:
+    """ValueError of one line when ``target_modules`` name a projection that the decoder of model
+    ``name_or_path`` (a folder, ``tiny`` or a published id) does not have, found from its config.json before
+    any weights load. A model whose architecture is not known here is checked by ``apply_lora`` once loaded."""
+    from vlm_grpo_ma.model import architectures
+
+    try:
+        valid = architectures.decoder_projections(architectures.architecture_of(name_or_path))
+    except (ValueError, OSError, KeyError):  # a hub id not described here, a config.json without the widths
+        return
+    missing = [s for s in target_modules if s not in valid]
+    if missing or not target_modules:
+        problem = f"{missing} match no projection of" if missing else "names no projection of"
+        raise ValueError(
+            f"model.lora_target_modules={list(target_modules)}: {problem} the decoder of {name_or_path}; its"
+            f" projections are: {', '.join(valid)}"
+        )
+
+
 def _target_regex(prefix: str, suffixes: Sequence[str]) -> str:
     alternatives = "|".join(re.escape(s) for s in suffixes)
     return rf"{re.escape(prefix)}\.(?:.*\.)?(?:{alternatives})"

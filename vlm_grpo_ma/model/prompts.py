@@ -27,6 +27,9 @@ class EncodedPrompt:
     """One prompt, tokenised, with its images and videos processed (still on the CPU)."""
 
     input_ids: list[int]
+    # input_ids with each image's and each video's expansion (placeholders, and Qwen3-VL's frame timestamps and
+    # per-frame vision markers) collapsed to its one placeholder token: the form vLLM expands itself
+    unexpanded_ids: list[int]
     pixel_values: torch.Tensor  # [num_patches, patch_dim]
     image_grid_thw: torch.Tensor  # [num_images, 3]
     input_sizes: tuple[Size, ...]  # (width, height) the model sees
@@ -95,32 +98,93 @@ def generation_prompt(policy: Policy, sample: Sample, instruction: str) -> str:
     return text
 
 
-def _video_inputs(videos: list[DecodedVideo]) -> dict:
-    """The processor's video arguments for frames already chosen and sized (``task_api.videos``): no sampling
-    or resizing of its own, and the metadata that gives each frame its time (Qwen2.5-VL's seconds per temporal
-    patch, Qwen3-VL's timestamps in the text)."""
-    if not videos:
-        return {}
-    from transformers.video_utils import VideoMetadata
+# The video processor's settings for frames already chosen and sized (``task_api.videos``): no sampling or resizing
+# of its own. Scoped to the video processor: a bare do_resize=False would reach the images too.
+VIDEO_PROCESSOR_SETTINGS = {"do_sample_frames": False, "do_resize": False}
 
-    metadata = [VideoMetadata(**v.metadata) for v in videos]
-    # videos_kwargs: these settings are the video processor's alone (a bare do_resize=False reaches the images too)
-    return {
-        "videos": [v.frames for v in videos],
-        "videos_kwargs": {"video_metadata": metadata, "do_sample_frames": False, "do_resize": False},
-    }
+
+@dataclass
+class PromptMedia:
+    """A sample's images and videos, decoded, in the form each consumer takes them: the HF processor's arguments
+    (``processor_inputs``, the trainer's prompt) and a vLLM request's (``vllm_inputs``; vLLM runs the same HF
+    processor on them). Both get the same frames and the same metadata (the source's frame count and fps and the
+    chosen frames' indices, from which the processor times the frames: Qwen2.5-VL's seconds per temporal patch,
+    Qwen3-VL's timestamps in the text), so the engine and the trainer see the same video."""
+
+    images: list[Image.Image]
+    videos: list[DecodedVideo]
+
+    @classmethod
+    def of(cls, policy: Policy, sample: Sample) -> PromptMedia:
+        """Decoded: ImageLoadError for a broken or missing image, VideoLoadError (an ImageLoadError) for a video."""
+        return cls(
+            [open_image(image) for image in sample.images],
+            [decode_video(video, policy.video_budget, factor=policy.patch_factor) for video in sample.videos],
+        )
+
+    def processor_inputs(self) -> dict:
+        """The HF processor's image and video arguments."""
+        inputs = {"images": self.images or None}
+        if self.videos:
+            from transformers.video_utils import VideoMetadata
+
+            inputs["videos"] = [v.frames for v in self.videos]
+            metadata = [VideoMetadata(**v.metadata) for v in self.videos]
+            inputs["videos_kwargs"] = {"video_metadata": metadata, **VIDEO_PROCESSOR_SETTINGS}
+        return inputs
+
+    def vllm_inputs(self) -> dict:
+        """A vLLM request's ``multi_modal_data`` and ``mm_processor_kwargs`` (nothing for a text-only prompt). A video
+        goes as vLLM's Qwen-VL processors take pre-sampled frames: (uint8 frames [T, H, W, 3], metadata), with
+        ``do_sample_frames`` False in the metadata (Qwen3-VL reads it there; Qwen2.5-VL drops it and reads
+        ``mm_processor_kwargs``)."""
+        data = {}
+        if self.images:
+            data["image"] = self.images
+        if self.videos:
+            data["video"] = [
+                (v.frames.permute(0, 2, 3, 1).contiguous().numpy(),
+                 {**v.metadata, "duration": v.total_frames / v.source_fps, "video_backend": "pyav", "do_sample_frames": False})
+                for v in self.videos
+            ]  # fmt: skip
+        if not data:
+            return {}
+        extra = {"mm_processor_kwargs": {"videos_kwargs": dict(VIDEO_PROCESSOR_SETTINGS)}} if self.videos else {}
+        return {"multi_modal_data": data, **extra}
+
+
+def _unexpanded_ids(policy: Policy, encoded) -> list[int]:
+    """The processor's ids with each image's and video's replacement collapsed to its one placeholder token: the
+    prompt vLLM expands itself. Where each replacement lies is the processor's own account
+    (``text_replacement_offsets``, character spans in the expanded text, and the tokens' ``offset_mapping``), not a
+    guess from the ids: Qwen3-VL's video replacement is "<t seconds>" text and a <|vision_start|>...<|vision_end|>
+    pair per temporal patch (in place of the chat template's <|vision_start|><|video_pad|><|vision_end|>), and
+    vLLM 0.32 with transformers >= 5.10 writes that whole replacement for one bare <|video_pad|>; Qwen2-VL's and
+    Qwen2.5-VL's replacements, and every image's, are runs of the placeholder, inside the template's markers."""
+    placeholder = {"image": policy.image_token_id, "video": policy.video_token_id}
+    spans = [(*item["new_span"], placeholder[item["type"]]) for item in encoded["text_replacement_offsets"][0]]
+    ids: list[int] = []
+    for token, (start, _) in zip(encoded["input_ids"][0].tolist(), encoded["offset_mapping"][0].tolist(), strict=True):
+        span = next((s for s in spans if s[0] <= start < s[1]), None)
+        if span is None:
+            ids.append(token)
+        elif start == span[0]:  # the replacement's first token stands for the whole of it
+            ids.append(span[2])
+    return ids
 
 
 def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPrompt:
-    """Chat template + processor for one sample. Raises ImageLoadError for a broken or missing image, and for
-    one the processor refuses; VideoLoadError (an ImageLoadError) for such a video."""
-    images = [open_image(image) for image in sample.images]
-    videos = [decode_video(video, policy.video_budget, factor=policy.patch_factor) for video in sample.videos]
+    """Chat template + processor for one sample: the expanded ids the trainer scores and the unexpanded ones the
+    vLLM engine sends, from one processor call. Raises ImageLoadError for a broken or missing image, and for one
+    the processor refuses; VideoLoadError (an ImageLoadError) for such a video."""
+    media = PromptMedia.of(policy, sample)
+    images, videos = media.images, media.videos
     text = generation_prompt(policy, sample, instruction)
     try:
         encoded = policy.processor(
-            text=[text], images=images or None, return_tensors="pt", **_video_inputs(videos)
-        )
+            text=[text], return_tensors="pt", return_text_replacement_offsets=True, return_offsets_mapping=True,
+            **media.processor_inputs(),
+        )  # fmt: skip
     except Exception as error:
         if not images and not videos:
             raise
@@ -155,6 +219,7 @@ def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPr
         )
     return EncodedPrompt(
         input_ids=encoded["input_ids"][0].tolist(),
+        unexpanded_ids=_unexpanded_ids(policy, encoded),
         pixel_values=pixel_values,
         image_grid_thw=grid,
         input_sizes=input_sizes,

@@ -9,7 +9,8 @@ import sys
 
 from vlm_grpo_ma.model.loading import checked_model_path
 from vlm_grpo_ma.run import survive
-from vlm_grpo_ma.run.config import ConfigError, load_config
+from vlm_grpo_ma.run.config import ConfigError
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.distributed import process_group_left_at_the_end
 from vlm_grpo_ma.run.loop import train
 from vlm_grpo_ma.run.run_dir import resumed_settings
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             get_task(name)
         if not args.resume:  # a resume loads its checkpoint's model
             checked_model_path(cfg.model.name_or_path, "model.name_or_path")  # a mistyped path: now, in one line
-    except (ConfigError, KeyError, FileNotFoundError) as error:  # KeyError: an unknown task name
+    # ValueError: a ConfigError, or a model folder whose config is broken; KeyError: an unknown task name
+    except (ValueError, KeyError, FileNotFoundError) as error:
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
     try:

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from vlm_grpo_ma.algorithm.advantages import ADVANTAGE_ESTIMATORS
 from vlm_grpo_ma.algorithm.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
 from vlm_grpo_ma.engines.decode import SEED_STRIDE
@@ -27,9 +25,33 @@ class ConfigError(ValueError):
     """A bad config key or value; the message names the key and the valid choices."""
 
 
+# What a resumed run takes from its checkpoint. A setting that shapes one of them says so in its field's metadata
+# (``field(..., metadata=shapes("optimizer"))``), next to its default, so a new setting is classed where it is
+# added: a --resume that changes one continues another run, refused unless --allow-changes, and refused even
+# then for the parts a resume always takes from the checkpoint (``CARRIED_AS_SAVED``), where the change could
+# not take effect (run_dir.resumed_settings; ``checkpoint_state_keys`` lists them).
+CHECKPOINT_STATE = {
+    "model": "the trained weights",
+    "adapter": "the LoRA adapter (with the rank, targets, scaling and dropout it was made with)",
+    "trainable": "which parameters train (the optimizer holds state for each)",
+    "optimizer": "the optimizer's state (AdamW's moments feed no other optimizer)",
+    "data": "the data stream's position",
+    "randomness": "the run's random streams (data order and sampling seeds, restored from the checkpoint)",
+    "objective": "the objective the steps so far trained on",
+}
+CARRIED_AS_SAVED = ("model", "adapter", "trainable", "optimizer", "randomness")
+
+
+def shapes(part: str) -> dict[str, str]:
+    """The field metadata of a setting that shapes ``part`` of a checkpoint (a key of ``CHECKPOINT_STATE``)."""
+    if part not in CHECKPOINT_STATE:
+        raise ValueError(f"{part!r} is no part of a checkpoint; valid: {', '.join(CHECKPOINT_STATE)}")
+    return {"shapes": part}
+
+
 @dataclass
 class ModelConfig:
-    name_or_path: str = "tiny"  # "tiny" = the embedded model; else a hub id or local path of a Qwen-VL model
+    name_or_path: str = field(default="tiny", metadata=shapes("model"))  # "tiny" = the embedded model; else a hub id or local path of a Qwen-VL model
     dtype: str = "float32"
     attn_implementation: str = "auto"  # auto: flash_attention_2 when installed on a GPU, else sdpa
     min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
@@ -39,26 +61,27 @@ class ModelConfig:
     video_max_pixels: int = VideoBudget.max_pixels  # each resized to at most this many pixels
     gradient_checkpointing: bool = False
     # keep the vision tower (and its merger) fixed and train the language model only; false trains it too
-    freeze_vision: bool = True
-    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft) instead of all weights
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.0
+    freeze_vision: bool = field(default=True, metadata=shapes("trainable"))
+    lora_rank: int = field(default=0, metadata=shapes("adapter"))  # > 0: train LoRA adapters of this rank (peft) instead of all weights
+    lora_alpha: float = field(default=32.0, metadata=shapes("adapter"))
+    lora_dropout: float = field(default=0.0, metadata=shapes("adapter"))
     lora_target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        metadata=shapes("adapter"),
     )  # module-name suffixes in the language model that get adapters
 
 
 @dataclass
 class RolloutConfig:
-    num_thoughts: int = 4  # K
-    num_answers: int = 4  # M; 1 = plain GRPO
+    num_thoughts: int = field(default=4, metadata=shapes("objective"))  # K
+    num_answers: int = field(default=4, metadata=shapes("objective"))  # M; 1 = plain GRPO
     max_thought_tokens: int = 40
     max_answer_tokens: int = 24
     temperature: float = 1.0
     top_p: float = 1.0
     # A thought that reaches max_thought_tokens gets a forced "</think>". close: its answers are scored and trained
     # normally; zero: its answers score 0 (the thought's penalty) and are not trained on (rollout.answers_void).
-    truncated_thoughts: str = "close"
+    truncated_thoughts: str = field(default="close", metadata=shapes("objective"))
     thought_stop: str = "</think>"
     answer_stop: str = "</answer>"
     reward_workers: int = 8  # worker processes scoring answers (each reward call runs in one)
@@ -79,23 +102,23 @@ class AlgorithmConfig:
     # group; a thought is one sequence of the objective, trained once. grpo: plain GRPO over the K*M (thought,
     # answer) sequences, each normalised over the prompt's K*M, a thought trained in each of its M sequences
     # with that sequence's advantage (exactly re-encoding the K*M; needs answer_baseline=prompt).
-    advantage_estimator: str = "grpo_ma"
+    advantage_estimator: str = field(default="grpo_ma", metadata=shapes("objective"))
     # The group an answer's reward is normalised over. "thought" (the default): its thought's M answers, so answer
     # tokens are pushed only by what they control given the thought (needs M >= 2); it gained the most held-out
     # IoU on the embedded task (docs/TUNING.md). "prompt" (GRPO-MA's paper, the GPU presets): the prompt's K*M
     # answers; with M = 1 that is plain GRPO.
-    answer_baseline: str = "thought"
-    scale_by_std: bool = True  # false: Dr.GRPO's advantages (reward minus the group mean, no std division)
+    answer_baseline: str = field(default="thought", metadata=shapes("objective"))
+    scale_by_std: bool = field(default=True, metadata=shapes("objective"))  # false: Dr.GRPO's advantages (reward minus the group mean, no std division)
     std_unbiased: bool = False
     eps: float = 1e-6
     # The per-token policy loss (loss.POLICY_LOSSES): ppo (clipped surrogate), gspo (sequence-level ratio,
     # length-normalised; GSPO as published also sets loss_aggregation=sequence and clips at 3e-4/4e-4), cispo
     # (clipped, stop-gradient importance weight times the log-prob; clip_low=1 leaves the lower side open as
     # MiniMax-M1 does).
-    policy_loss: str = "ppo"
+    policy_loss: str = field(default="ppo", metadata=shapes("objective"))
     clip_low: float = 0.2
     clip_high: float = 0.28  # asymmetric ("clip-higher", DAPO arXiv 2503.14476)
-    kl_coef: float = 0.0  # > 0 loads a frozen reference policy and adds k3 KL
+    kl_coef: float = field(default=0.0, metadata=shapes("objective"))  # > 0 loads a frozen reference policy and adds k3 KL
     # policy updates per rollout. With 1 the importance ratio is exactly 1 and clip_low/clip_high have no effect;
     # > 1 reuses the rollout and the ratio and clipping act from the second update on.
     num_iterations: int = 1
@@ -105,7 +128,7 @@ class AlgorithmConfig:
     # dr_grpo: sequence with a constant length, the maximum (Dr.GRPO; pair with scale_by_std=false).
     # sequence is the default: under token averaging a T4A4 thought's tokens get 16% of the gradient against its
     # M answers' tokens, and the embedded run learns more slowly (docs/TUNING.md, "Sequence averaging").
-    loss_aggregation: str = "sequence"
+    loss_aggregation: str = field(default="sequence", metadata=shapes("objective"))
     # DAPO's dynamic sampling: drop prompt groups whose K*M task rewards are all equal (no signal) and draw more
     # prompts, up to dynamic_sampling_max_draws extra draws of train.prompts_per_step prompts, until the draws hold
     # prompts_per_step informative groups (short of that, uninformative ones fill the step; both are counted).
@@ -113,9 +136,9 @@ class AlgorithmConfig:
     dynamic_sampling_max_draws: int = 4
     # DAPO's soft overlong punishment: within the last N tokens before rollout.max_thought_tokens /
     # rollout.max_answer_tokens the reward falls linearly, by up to overlong_penalty at the limit. 0 = off.
-    overlong_buffer_thought_tokens: int = 0
-    overlong_buffer_answer_tokens: int = 0
-    overlong_penalty: float = 1.0
+    overlong_buffer_thought_tokens: int = field(default=0, metadata=shapes("objective"))
+    overlong_buffer_answer_tokens: int = field(default=0, metadata=shapes("objective"))
+    overlong_penalty: float = field(default=1.0, metadata=shapes("objective"))
     # Correcting for the sampling engine's log-probs differing from the trainer's (bf16 engines): none, or tis
     # (truncated importance sampling: each token's loss times min(exp(old - engine), rollout_correction_cap)).
     rollout_correction: str = "none"
@@ -124,24 +147,27 @@ class AlgorithmConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "grounding"  # one task; or leave it and set `tasks` to mix several
-    tasks: dict[str, float] = field(default_factory=dict)  # a mixture {name: weight}; replaces `task` when set
-    split: str = "train"
-    source: str | None = None  # a local file in a format `task` loads; None = the embedded data
-    sources: dict[str, str] = field(default_factory=dict)  # with `tasks`: {name: file}; unnamed tasks embedded
+    task: str = field(default="grounding", metadata=shapes("data"))  # one task; or leave it and set `tasks` to mix several
+    # a mixture {name: weight}; replaces `task` when set
+    tasks: dict[str, float] = field(default_factory=dict, metadata=shapes("data"))
+    split: str = field(default="train", metadata=shapes("data"))
+    source: str | None = field(default=None, metadata=shapes("data"))  # a local file in a format `task` loads; None = the embedded data
+    # with `tasks`: {name: file}; unnamed tasks embedded
+    sources: dict[str, str] = field(default_factory=dict, metadata=shapes("data"))
     eval_split: str = "test"  # held-out embedded split evaluated every train.eval_every steps
     eval_sources: dict[str, str] = field(default_factory=dict)  # {task: file} held-out files instead
     task_modules: list[str] = field(default_factory=list)  # extra task modules (dotted names or .py paths)
-    reward_weights: dict[str, float] = field(default_factory=dict)  # override the task's default weights
+    # override the task's default weights
+    reward_weights: dict[str, float] = field(default_factory=dict, metadata=shapes("objective"))
 
 
 @dataclass
 class TrainConfig:
     steps: int = 300  # optimizer steps (one rollout of prompts_per_step prompts each)
-    prompts_per_step: int = 16  # B; rows per step = B * K * M
+    prompts_per_step: int = field(default=16, metadata=shapes("data"))  # B; rows per step = B * K * M
     micro_batch_rows: int = 32  # answer rows per forward/backward
     learning_rate: float = 2e-4
-    optimizer: str = "adamw"  # adamw, or sgd (plain, no momentum: used by the equivalence checks)
+    optimizer: str = field(default="adamw", metadata=shapes("optimizer"))  # adamw, or sgd (plain, no momentum: used by the equivalence checks)
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.99
@@ -150,7 +176,7 @@ class TrainConfig:
     # clip the gradient's global norm to this; must be > 0 (0 would zero every update while the logged norm
     # looks normal). No "off" value: a large one (1e9) leaves the gradients as they are.
     max_grad_norm: float = 1.0
-    seed: int = 0  # 0 .. max_seed(steps), about 1.84e7: the sampling seeds must fit in 64 bits
+    seed: int = field(default=0, metadata=shapes("randomness"))  # 0 .. max_seed(steps), about 1.84e7: the sampling seeds must fit in 64 bits
     output_dir: str | None = None  # None: runs/<task>-<model> (default_output_dir), e.g. runs/grounding-tiny
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -203,8 +229,18 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def checkpoint_state_keys() -> dict[str, str]:
+    """``{"section.key": part}`` of every setting that shapes a part of a checkpoint (``CHECKPOINT_STATE``)."""
+    return {
+        f"{section.name}.{item.name}": item.metadata["shapes"]
+        for section in dataclasses.fields(Config)
+        for item in dataclasses.fields(section.default_factory)
+        if "shapes" in item.metadata
+    }
+
+
 CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.dtype": ("float32", "bfloat16"),  # float16 is refused with its reason in validate()
     "model.attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "rollout.truncated_thoughts": ("close", "zero"),
     "rollout.engine": ("hf", "vllm"),
@@ -314,6 +350,24 @@ def default_output_dir(cfg: Config) -> str:
     return f"runs/{tasks}-{model_label(cfg.model.name_or_path)}"
 
 
+# Pixels per side of one vision token (patch size x merge size) of the model families the trainer runs: 28 on
+# Qwen2/2.5-VL (14 x 2), 32 on Qwen3-VL and Qwen3.5 (16 x 2). A video frame is resized to whole tokens
+# (task_api/videos.py, qwen-vl-utils' smart_resize, which asserts max_pixels >= one token's factor x factor).
+SMALLEST_PATCH_FACTOR = 28
+
+
+def check_video_max_pixels(cfg: Config, factor: int = SMALLEST_PATCH_FACTOR, model: str | None = None) -> None:
+    """ConfigError when ``model.video_max_pixels`` is below one vision token of ``factor`` x ``factor`` pixels:
+    no frame fits, and the first video would fail mid-run. ``validate`` checks the smallest factor; the run,
+    once its model is loaded, that model's own (``model``: its name in the message)."""
+    if cfg.model.video_max_pixels < factor * factor:
+        raise ConfigError(
+            f"model.video_max_pixels={cfg.model.video_max_pixels} must be >= {factor * factor}, one vision token"
+            f" ({factor}x{factor} pixels{f' on {model}' if model else ''}): each video frame is resized to whole"
+            " tokens, and a smaller budget holds none"
+        )
+
+
 def validate(cfg: Config) -> Config:
     # NaN passes neither `> 0` nor `>= 0` but inf passes both; an infinite learning rate, reward or task weight
     # would train on NaN weights (or on one task only), so every number must be finite.
@@ -328,6 +382,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             "train.mixed_precision=fp16 is not supported: the trainer has no loss scaling (the first overflow"
             " would stop the run, and FSDP would clip still-scaled gradients); use bf16 (or no)"
+        )
+    if cfg.model.dtype == "float16":
+        raise ConfigError(
+            "model.dtype=float16 is not supported: AdamW's eps (1e-8) is 0 in float16, so a weight whose gradient is"
+            " 0 becomes 0/0 = NaN at the first update (the run stops at step 1 even when every advantage is 0), and"
+            " the trainer has no loss scaling; use bfloat16 (or float32)"
         )
     for key, choices in CHOICES.items():
         if _get(cfg, key) not in choices:
@@ -346,6 +406,7 @@ def validate(cfg: Config) -> Config:
         )
     if None not in (cfg.model.min_pixels, cfg.model.max_pixels) and cfg.model.min_pixels > cfg.model.max_pixels:
         raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} must be <= model.max_pixels={cfg.model.max_pixels}")
+    check_video_max_pixels(cfg)
     if cfg.model.video_max_frames < 2:  # the vision tower takes frames in pairs (its temporal patch)
         raise ConfigError(f"model.video_max_frames={cfg.model.video_max_frames} must be >= 2")
     draws = 1 + cfg.algorithm.dynamic_sampling_max_draws if cfg.algorithm.dynamic_sampling else 1
@@ -505,95 +566,3 @@ def merge(cfg: Config, values: dict[str, Any]) -> Config:
             raise ConfigError(f"config section {section!r} must be a mapping, got {section_values!r}")
         _apply(getattr(cfg, section), section, section_values)
     return cfg
-
-
-def parse_override(text: str) -> dict[str, Any]:
-    """``rollout.num_answers=8`` -> {"rollout": {"num_answers": 8}} (values parsed as YAML scalars)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. rollout.num_answers=8)")
-    dotted, raw = text.split("=", 1)
-    parts = dotted.strip().split(".")
-    if len(parts) < 2:
-        raise ConfigError(f"override key {dotted!r} must be section.key (e.g. rollout.num_answers)")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"override {text!r}: the value {raw!r} is not valid YAML ({_yaml_problem(error)})") from None
-    nested: dict[str, Any] = {parts[-1]: value}
-    for part in reversed(parts[1:-1]):
-        nested = {part: nested}
-    return {parts[0]: nested}
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    """PyYAML's short reason ("found unexpected end of stream"), without its multi-line snippet."""
-    return getattr(error, "problem", None) or str(error).splitlines()[0]
-
-
-def _deep_update(base: dict, extra: dict, where: str = "") -> dict:
-    """``extra`` over ``base``, mapping by mapping. A mapping over something that is not one (``train: 5``, then
-    ``train.steps=9``) is a ConfigError: replacing it would hide the malformed section."""
-    for key, value in extra.items():
-        dotted = f"{where}{key}"
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_update(base[key], value, f"{dotted}.")
-        elif isinstance(value, dict) and key in base and base[key] is not None:
-            raise ConfigError(f"config section {dotted!r} must be a mapping, got {base[key]!r}")
-        else:
-            base[key] = value
-    return base
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise ConfigError(
-                    f"line {key_node.start_mark.line + 1}: key {key!r} is given twice (first on line {seen[key]}); give it once"
-                )
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep)
-
-
-def config_file_values(path: str | Path) -> dict[str, Any]:
-    """The sections of a YAML config file, unvalidated; ConfigError naming the file (and line) when it is
-    missing, not YAML, not UTF-8 or not a mapping."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
-    except ConfigError as error:
-        raise ConfigError(f"{path}: {error}") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        raise ConfigError(f"{where}: not valid YAML ({_yaml_problem(error)})") from None
-    except UnicodeDecodeError as error:
-        line = path.read_bytes()[: error.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections")
-    return values
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *, base: str | Path | None = None) -> Config:
-    """The defaults, then ``base`` (a resumed run's own config.yaml), then the file ``path``, then the dotted
-    ``overrides``, each over the one before; validated."""
-    values: dict[str, Any] = {}
-    for file in (base, path):
-        if file is not None:
-            _deep_update(values, config_file_values(file))
-    for text in overrides or []:
-        _deep_update(values, parse_override(text))
-    return validate(merge(Config(), values))
-
-
-def save_config(cfg: Config, path: Path, *, history: list[str] = ()) -> None:
-    """``cfg`` as YAML, after ``history`` as comment lines (what each resume changed, and when)."""
-    comments = "".join(f"# {line}\n" for line in history)
-    path.write_text(comments + yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -40,6 +40,7 @@ from vlm_grpo_ma.task_api.videos import VideoLoadError
 log = logging.getLogger("vlm_grpo_ma.train")
 # Steps in a row whose every group had equal rewards (no advantage, nothing trains) before the run says so.
 NO_SIGNAL_PATIENCE = 3
+_said_broken: set[str] = set()  # the image and video errors already warned about (encode_candidates)
 NO_SIGNAL_HELP = "the model may not solve this task yet: see docs/TASKS.md, 'Will my task learn?'"
 
 
@@ -250,7 +251,7 @@ def draw_prompts(
     only its share: slots ``process_index * share ..`` (``share = count // num_processes``); the others are None.
     With ``processes_per_share`` > 1 (processes sharing one engine) each process encodes its group's shares.
     A broken or missing image or video is skipped and counted (``skipped_broken_images``,
-    ``skipped_broken_videos``; the log names its path), never fatal, and every
+    ``skipped_broken_videos``; the log names its path, once per file), never fatal, and every
     process skips the same samples: the samples one process would take, whatever the number of processes.
 
     Rounds: the next ``count - found`` samples of the stream are candidates; candidate ``j`` fills slot
@@ -302,7 +303,10 @@ def encode_candidates(candidates: list, is_mine: list[bool], encode, encoded: di
             except ImageLoadError as error:
                 counter = "skipped_broken_videos" if isinstance(error, VideoLoadError) else "skipped_broken_images"
                 failures[j] = (counter, f"skipping sample {sample.id}: {error}")
-                log.warning("%s", failures[j][1])
+                # Warned once per broken file (the error names it), not at each epoch's draw; counted each time.
+                if str(error) not in _said_broken:
+                    _said_broken.add(str(error))
+                    log.warning("%s", failures[j][1])
     return failures
 
 

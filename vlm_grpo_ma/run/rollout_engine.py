@@ -47,20 +47,23 @@ def make_engine(cfg: Config, policy, *, max_images: int = 1, max_videos: int = 0
         return HFEngine()
     from vlm_grpo_ma.engines.vllm import VLLMEngine
 
-    engine = VLLMEngine(
-        policy.model.name_or_path,
-        dtype=engine_dtype(cfg),
-        seed=cfg.train.seed,
-        gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-        kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
-        tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size,
-        num_processes=num_processes,
-        process_index=process_index,
-        max_images=max(max_images, 1),
-        max_videos=max_videos,
-        sleep=cfg.rollout.vllm_sleep,
-        min_pixels=cfg.model.min_pixels,
-        max_pixels=cfg.model.max_pixels,
-    )
+    try:  # a model whose videos vLLM cannot read here (VLLMEngine.check_videos): one line, at the start
+        engine = VLLMEngine(
+            policy.model.name_or_path,
+            dtype=engine_dtype(cfg),
+            seed=cfg.train.seed,
+            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+            kv_cache_gib=cfg.rollout.vllm_kv_cache_gib,
+            tensor_parallel_size=cfg.rollout.vllm_tensor_parallel_size,
+            num_processes=num_processes,
+            process_index=process_index,
+            max_images=max(max_images, 1),
+            max_videos=max_videos,
+            sleep=cfg.rollout.vllm_sleep,
+            min_pixels=cfg.model.min_pixels,
+            max_pixels=cfg.model.max_pixels,
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     engine.push_weights(policy)
     return engine

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from vlm_grpo_ma.run import checkpoint as ckpt
-from vlm_grpo_ma.run.config import Config, ConfigError, load_config
+from vlm_grpo_ma.run.config import (
+    CARRIED_AS_SAVED,
+    CHECKPOINT_STATE,
+    Config,
+    ConfigError,
+    checkpoint_state_keys,
+)
+from vlm_grpo_ma.run.config_files import config_file_values, load_config, missing_settings, write_atomically
 from vlm_grpo_ma.run.metrics import format_summary, read_metrics, summarize
 from vlm_grpo_ma.run.trackers import TRACKER_OUTPUTS
 
@@ -42,7 +49,20 @@ def hold_run_dir(run_dir: Path):
     import socket
     import sys
 
-    handle = open(run_dir / LOCK_FILE, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
+    lock = run_dir / LOCK_FILE
+    if lock.is_symlink():  # writing the lock would overwrite the link's target
+        raise ConfigError(
+            f"train.output_dir={run_dir}: its {LOCK_FILE} is a symbolic link (to {os.readlink(lock)}), and a run writes"
+            " its lock; remove the link, or choose another --output-dir"
+        )
+    try:  # O_NOFOLLOW: a link made since the check above fails here rather than being followed
+        descriptor = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    except OSError as error:  # a folder named .run.lock, a read-only folder or disk
+        raise ConfigError(
+            f"train.output_dir={run_dir}: cannot write its lock {lock} ({error.strerror}); a run needs a folder it"
+            f" can write and {LOCK_FILE} a plain file in it: fix that, or choose another --output-dir"
+        ) from None
+    handle = os.fdopen(descriptor, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -113,14 +133,6 @@ def claim_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, delete: bool 
     log.info("--overwrite: deleted %s from %s", ", ".join(found), run_dir)
 
 
-# Settings that make a run another run: a resume that changes one is refused unless --allow-changes says so.
-RUN_DEFINING_KEYS = (
-    "data.task", "data.tasks", "data.source", "data.sources", "model.name_or_path", "model.lora_rank",
-    "rollout.num_thoughts", "rollout.num_answers", "algorithm.advantage_estimator", "algorithm.answer_baseline",
-    "algorithm.policy_loss", "algorithm.loss_aggregation", "train.prompts_per_step", "train.seed",
-)  # fmt: skip
-
-
 def flat_settings(cfg: Config) -> dict[str, Any]:
     """``{"section.key": value}`` of every setting."""
     return {f"{section}.{key}": value for section, values in cfg.to_dict().items() for key, value in values.items()}
@@ -133,29 +145,65 @@ def changed_settings(before: Config, after: Config) -> dict[str, tuple[Any, Any]
 
 
 def resumed_settings(cfg: Config, config_file: str | None, overrides: list[str], *, allow_changes: bool) -> Config:
-    """The settings a ``--resume`` continues with: the run's own ``config.yaml``, then what the command line
-    names (``config_file`` and ``overrides``) over it; ``cfg`` (the command line over the defaults) only
-    says which folder, and is returned as it is when that folder holds no saved run. A change to a
-    ``RUN_DEFINING_KEYS`` setting is refused, naming it, unless ``allow_changes``."""
+    """The settings a ``--resume`` continues with: the run's own ``config.yaml`` (which must hold every setting:
+    ``check_saved_config``), then what the command line names (``config_file`` and ``overrides``) over it;
+    ``cfg`` (the command line over the defaults) only says which folder, and is returned as it is when that
+    folder holds no saved run. A change to a setting that shapes the checkpoint (``config.checkpoint_state_keys``)
+    is refused, naming it, unless ``allow_changes``; one to a part that the resume takes from the checkpoint as
+    saved (``config.CARRIED_AS_SAVED``: it could not take effect) is refused even then, if a checkpoint exists."""
     run_dir = Path(cfg.train.output_dir)
     saved = run_dir / CONFIG_FILE
     if not saved.is_file():
         return cfg
     try:
-        before = load_config(saved)
+        before = load_config(saved)  # first: a key no run of this trainer writes says whose file it is
+        check_saved_config(saved)
         after = load_config(config_file, [*overrides, f"train.output_dir={run_dir}"], base=saved)
     except ConfigError as error:
         raise ConfigError(f"--resume: the run's own {saved}: {error}") from None
     changed = {key: values for key, values in changed_settings(before, after).items() if key != "train.output_dir"}
-    defining = [key for key in changed if key in RUN_DEFINING_KEYS]
+    shaping = checkpoint_state_keys()
+    defining = [key for key in changed if key in shaping]
+
+    def listed(keys: list[str]) -> str:
+        return "; ".join(
+            f"{key}={changed[key][1]!r} (the run has {changed[key][0]!r}), which shapes {CHECKPOINT_STATE[shaping[key]]}"
+            for key in keys
+        )
+
+    kept = [key for key in defining if shaping[key] in CARRIED_AS_SAVED]
+    if kept and ckpt.list_checkpoints(run_dir):
+        raise ConfigError(
+            f"--resume cannot change {listed(kept)}: a resume continues from what its checkpoint holds, as saved, so"
+            " the change could not take effect. Resume without changing it, or start a new run in another --output-dir"
+        )
     if defining and not allow_changes:
-        listed = "; ".join(f"{key}={changed[key][1]!r} (the run has {changed[key][0]!r})" for key in defining)
         raise ConfigError(
             f"--resume continues the run in {run_dir} with its own settings, and this command changes what the run is: "
-            f"{listed}. Resume without changing it, start a new run in another --output-dir, or add --allow-changes "
+            f"{listed(defining)}. Resume without changing it, start a new run in another --output-dir, or add --allow-changes "
             "to change it anyway (recorded in config.yaml)"
         )
     return after
+
+
+def check_saved_config(saved: Path) -> None:
+    """ConfigError unless the saved run's ``config.yaml`` holds every setting ``save_config`` writes: one left
+    empty or cut short by a crash (or edited) would have the defaults fill in, and a K=2, M=2 run would go on
+    at 4 x 4 with 16 prompts."""
+    values = config_file_values(saved)
+    if not values:
+        raise ConfigError(
+            f"{CONFIG_FILE} is empty (cut short?), so the run's settings are unknown: write them back into it, or start"
+            " a new run in another --output-dir"
+        )
+    missing = missing_settings(values)
+    if missing:
+        named = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ConfigError(
+            f"{CONFIG_FILE} lacks {named} (cut short, or edited), so the run's settings are unknown and the"
+            " defaults would continue another run: write the run's values back into it, or start a new run in"
+            " another --output-dir"
+        )
 
 
 def resume_history(run_dir: Path, cfg: Config, start_step: int) -> list[str]:
@@ -173,8 +221,9 @@ def resume_history(run_dir: Path, cfg: Config, start_step: int) -> list[str]:
     changed = {} if before is None else {k: v for k, v in changed_settings(before, cfg).items() if k != "train.output_dir"}
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     what = "; ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in changed.items()) or "no setting changed"
+    shaping = checkpoint_state_keys()
     for key in changed:
-        (log.warning if key in RUN_DEFINING_KEYS else log.info)("--resume changes %s: %r -> %r", key, *changed[key])
+        (log.warning if key in shaping else log.info)("--resume changes %s: %r -> %r", key, *changed[key])
     return [*history, f"resumed {when} at step {start_step}: {what}"]
 
 
@@ -195,10 +244,25 @@ def checkpoint_to_resume(run_dir: Path, resume: bool) -> tuple[Path | None, dict
     if checkpoint is not None:
         if failures:
             log.warning("--resume: continuing from %s, the newest checkpoint that loads", checkpoint)
+            for passed_over in found[found.index(checkpoint) + 1 :]:
+                set_aside(passed_over)
         return checkpoint, state
     if failures:
         raise ConfigError(f"--resume: no checkpoint of {run_dir} loads: " + "; ".join(failures))
     return None, None
+
+
+def set_aside(checkpoint: Path) -> Path:
+    """Rename a checkpoint that does not load to ``step-N.corrupt`` (``.corrupt-2`` ... if taken), kept for a look
+    but no checkpoint any more: left as ``step-N``, a stop before the next save found it the newest and took step
+    N as saved already (a whole interval lost), and ``evaluate`` kept trying it first."""
+    aside, n = checkpoint.with_name(checkpoint.name + ".corrupt"), 1
+    while aside.exists():  # set aside before, by an earlier resume
+        n += 1
+        aside = checkpoint.with_name(f"{checkpoint.name}.corrupt-{n}")
+    checkpoint.rename(aside)
+    log.warning("--resume: moved the checkpoint that does not load to %s", aside)
+    return aside
 
 
 def write_summary(run_dir: Path, headline: list[str], counters: dict, *, is_main: bool) -> dict:
@@ -207,7 +271,7 @@ def write_summary(run_dir: Path, headline: list[str], counters: dict, *, is_main
     summary = summarize(read_metrics(run_dir), keys=tuple(dict.fromkeys(headline)))
     summary["counters"] = dict(counters)
     if is_main:
-        (run_dir / "summary.json").write_text(json.dumps(_json_safe(summary), indent=2))
+        write_atomically(run_dir / "summary.json", json.dumps(_json_safe(summary), indent=2))  # a study reads it
         print(format_summary(summary), flush=True)
         print(f"run directory: {run_dir}", flush=True)
     return summary

@@ -25,7 +25,8 @@ from vlm_grpo_ma.model.logprobs import CompletionScorer
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run import sharding, survive
 from vlm_grpo_ma.run.batch import TrainBatch
-from vlm_grpo_ma.run.config import Config, ConfigError, save_config
+from vlm_grpo_ma.run.config import Config, ConfigError, check_video_max_pixels
+from vlm_grpo_ma.run.config_files import save_config
 from vlm_grpo_ma.run.distributed import main_process_value, make_accelerator
 from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.run.memory_model import tree_too_large
@@ -98,11 +99,19 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     accelerator = make_accelerator(cfg)
     num_processes = accelerator.num_processes
     check_engine(cfg, num_processes)  # vllm missing, not importing, or a TP size off the launch: stop before anything loads
+    if cfg.model.lora_rank > 0:  # LoRA targets the model's decoder does not have: stop before anything loads
+        try:
+            lora.check_target_modules(cfg.model.name_or_path, cfg.model.lora_target_modules)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
     check_tree_fits(cfg, accelerator)  # a K x M the memory model says cannot fit: stop before anything loads
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"train.output_dir={run_dir} is a file, not a folder; choose another --output-dir")
+    under_a_file = next((folder for folder in run_dir.parents if folder.exists() and not folder.is_dir()), None)
+    if under_a_file is not None:  # mkdir would raise NotADirectoryError
+        raise ConfigError(f"train.output_dir={run_dir} is under {under_a_file}, a file, not a folder; choose another --output-dir")
     if resume:
         check_resumable(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -190,11 +199,17 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     reference = make_reference(policy, scorer, cfg, accelerator.device, fsdp)
     spikes = GradSpikeMonitor()
     if history_state is not None:
+        configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
         if history_state["optimizer"] == sharding.SHARDED_OPTIMIZER:
             sharding.load_optimizer(scorer, optimizer, last)
         else:
             optimizer.load_state_dict(history_state["optimizer"])
-        scheduler.load_state_dict(history_state["scheduler"])
+        # With its state torch puts back the checkpoint's learning rate, betas and weight decay, and a loaded
+        # scheduler its base rate: a resume that changed them would go on with the old ones. The run's own
+        # settings go back over them, and the schedule continues from the step reached.
+        for group, settings in zip(optimizer.param_groups, configured, strict=True):
+            group.update(settings)
+        scheduler = make_scheduler(scheduler.optimizer, cfg, steps_done=start_step)
         try:
             stream.load_state_dict(history_state["data"])
         except ValueError as error:  # another task or data source than the checkpoint's (--allow-changes)
@@ -262,9 +277,10 @@ def make_optimizer(parameters, cfg: Config) -> torch.optim.Optimizer:
     )
 
 
-def make_scheduler(optimizer, cfg: Config):
+def make_scheduler(optimizer, cfg: Config, steps_done: int = 0):
     """The learning rate of step s (0-based) is learning_rate * factor(s): linear warmup over warmup_steps,
-    then constant, linear decay to 0 at train.steps, or cosine decay."""
+    then constant, linear decay to 0 at train.steps, or cosine decay. ``steps_done``: a resumed run's steps,
+    so its next step gets factor(steps_done)."""
     total, warmup = cfg.train.steps, cfg.train.warmup_steps
 
     def factor(step: int) -> float:
@@ -277,7 +293,7 @@ def make_scheduler(optimizer, cfg: Config):
             return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor, last_epoch=steps_done - 1)
 
 
 def configure_trainable(policy: Policy, cfg: Config) -> None:
@@ -285,14 +301,17 @@ def configure_trainable(policy: Policy, cfg: Config) -> None:
     if cfg.model.lora_rank > 0 and policy.adapter is None:
         name = cfg.model.name_or_path
         base = name if name == "tiny" or not Path(name).exists() else str(Path(name).resolve())
-        policy.adapter = lora.apply_lora(
-            policy.model,
-            rank=cfg.model.lora_rank,
-            alpha=cfg.model.lora_alpha,
-            dropout=cfg.model.lora_dropout,
-            target_modules=cfg.model.lora_target_modules,
-            base_model_name_or_path=base,
-        )
+        try:
+            policy.adapter = lora.apply_lora(
+                policy.model,
+                rank=cfg.model.lora_rank,
+                alpha=cfg.model.lora_alpha,
+                dropout=cfg.model.lora_dropout,
+                target_modules=cfg.model.lora_target_modules,
+                base_model_name_or_path=base,
+            )
+        except ValueError as error:  # targets a model not described in architectures.py does not have
+            raise ConfigError(f"model.lora_target_modules={cfg.model.lora_target_modules}: {error}") from None
     elif cfg.model.lora_rank == 0 and policy.adapter is not None:
         raise ConfigError("the checkpoint holds a LoRA adapter but model.lora_rank=0; resume with its LoRA settings")
     if cfg.model.freeze_vision:
@@ -379,5 +398,6 @@ def load_training_policy(cfg: Config, last: Path | None, device) -> Policy:
     if cfg.model.gradient_checkpointing:
         policy.model.activation_checkpointing_enable()
     configure_trainable(policy, cfg)
+    check_video_max_pixels(cfg, policy.patch_factor, model_path)  # config.validate checked the smallest factor only
     return policy
 

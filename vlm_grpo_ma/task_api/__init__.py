@@ -11,11 +11,15 @@ A task is one module that builds a ``Task`` and registers it when imported::
     def load(split="train", source=None) -> list[Sample]: ...
     def reward(completion: Completion, sample: Sample) -> dict[str, float]: ...   # {"reward": r, part: value}
 
-    TASK = register_task(Task(name="mytask", load=load, reward=reward, instruction="Think in <think>..."))
+    def target(sample: Sample) -> str: ...   # optional: "<think>...</think><answer>...</answer>" to imitate
+
+    TASK = register_task(Task(name="mytask", load=load, reward=reward, instruction="Think in <think>...", target=target))
 
 The core finds task modules through the ``vlm_grpo_ma.tasks`` entry point group (``name = "package.module"``
 in the ``[project.entry-points."vlm_grpo_ma.tasks"]`` table of a package's pyproject.toml), or by the module
 names and ``.py`` paths a config lists in ``data.task_modules``. docs/TASKS.md walks through an example.
+A task with ``target`` can be warm-started by supervised training on its own data before RL
+(``python -m vlm_grpo_ma.warmstart --task NAME``).
 
 What is here:
   types         ``Sample``, ``Completion``, ``Task``, ``CoordinateFrame``;
@@ -24,9 +28,12 @@ What is here:
                 ``parse_numbers``, ``parse_box``, ``parse_points``, ``normalise_answer``; the geometry
                 ``order_corners``, ``clip_box``, ``iou``;
   loaders       ``checked_source_file``, ``require_keys``, ``jsonl_rows``, ``read_rows``, ``detect_schema``, ``rows_to_samples``,
-                ``image_from_cell``, ``embedded_split_file``, ``skip_row`` (drop a row with an unreadable image,
-                counted), ``ImageLoadError``, ``header_size``, ``open_lazily``;
-  videos        ``decode_video`` (a path or frame list under a ``VideoBudget`` -> ``DecodedVideo``), ``VideoLoadError``
+                ``image_from_cell``, ``resolved_path`` (a row's file path, a NUL byte refused),
+                ``embedded_split_file``, ``skip_row`` (drop a row with an unreadable image, counted), ``BadRow``
+                (raised for a malformed row: ``rows_to_samples`` skips and counts it), ``ImageLoadError``,
+                ``header_size``, ``open_lazily``;
+  videos        ``decode_video`` (a path or frame list under a ``VideoBudget`` -> ``DecodedVideo``), ``FrameList``
+                (a frame list with its frames' rate), ``VideoLoadError``
                 (skipped and counted as a broken image is), ``frame_strip`` (frames side by side, for drawings);
   evaluation    ``draw_marks`` with ``PREDICTION_COLOUR`` and ``TRUTH_COLOUR`` (for ``Task.draw``).
 
@@ -65,6 +72,7 @@ from vlm_grpo_ma.task_api.registry import (
     weighted_reward,
 )
 from vlm_grpo_ma.task_api.sources import (
+    BadRow,
     checked_source_file,
     detect_schema,
     embedded_split_file,
@@ -72,9 +80,17 @@ from vlm_grpo_ma.task_api.sources import (
     jsonl_rows,
     read_rows,
     require_keys,
+    resolved_path,
     rows_to_samples,
 )
-from vlm_grpo_ma.task_api.videos import DecodedVideo, VideoBudget, VideoLoadError, decode_video, frame_strip
+from vlm_grpo_ma.task_api.videos import (
+    DecodedVideo,
+    FrameList,
+    VideoBudget,
+    VideoLoadError,
+    decode_video,
+    frame_strip,
+)
 
 __all__ = [
     # types
@@ -107,7 +123,9 @@ __all__ = [
     "detect_schema",
     "rows_to_samples",
     "image_from_cell",
+    "resolved_path",
     "skip_row",
+    "BadRow",
     "ImageLoadError",
     "header_size",
     "open_lazily",
@@ -115,6 +133,7 @@ __all__ = [
     "VideoLoadError",
     "VideoBudget",
     "DecodedVideo",
+    "FrameList",
     "decode_video",
     "frame_strip",
     # evaluation

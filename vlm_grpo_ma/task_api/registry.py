@@ -25,7 +25,7 @@ from typing import Any
 from vlm_grpo_ma.task_api.coords import CoordinateFrame, Size, to_original_pixels
 
 ImageRef = Any  # a file path (str) or a PIL.Image.Image
-VideoRef = Any  # a file path (str), or a list of frames (image paths or PIL images) in time order
+VideoRef = Any  # a file path (str), or frames (image paths or PIL images) in time order: a FrameList with their rate, or a list
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ RewardFn = Callable[[Completion, Sample], dict[str, float]]
 LoadFn = Callable[..., list[Sample]]  # load(split: str, source: str | None = None) -> list[Sample]
 ParseFn = Callable[[Completion, Sample], Any]  # the parsed prediction, JSON-serialisable, for evaluation dumps
 DrawFn = Callable[[Any, Sample, Any], Any]  # draw(PIL image, sample, parsed prediction) -> annotated PIL image
+TargetFn = Callable[[Sample], str]  # target(sample) -> the whole completion a good model writes for it
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,12 @@ class Task:
     For evaluation: ``success`` names the 0/1 part that means "correct" (accuracy and pass@k are computed
     from it, e.g. ``acc_iou50``); ``parse(completion, sample)`` gives the prediction as the reward read it
     (e.g. the box in original pixels), written to the per-sample dump; ``draw(image, sample, prediction)``
-    returns the image with the prediction and the ground truth drawn on it (tasks with boxes or points)."""
+    returns the image with the prediction and the ground truth drawn on it (tasks with boxes or points).
+
+    For a supervised cold start (``python -m vlm_grpo_ma.warmstart --task NAME``): ``target(sample)`` gives the
+    whole completion a good model writes for the sample, ``<think>...</think><answer>...</answer>`` in the
+    task's format (a thought where the data has one, else a rationale field or a template, and the answer); the
+    warm start trains the model on it after the prompt. A task without it cannot be warm-started."""
 
     name: str
     load: LoadFn
@@ -98,6 +104,7 @@ class Task:
     success: str | None = None
     parse: ParseFn | None = None
     draw: DrawFn | None = None
+    target: TargetFn | None = None
 
 
 def weighted_reward(parts: dict[str, float], weights: dict[str, float]) -> float:
@@ -280,17 +287,23 @@ def _import_task_module(module: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Rows a loader skipped (an unreadable image): skipped, logged and counted, never fatal
+# Rows a loader skipped (an unreadable image, a malformed row): skipped, logged and counted, never fatal
 
 _load_skips: list[Counter] = []  # the open count_load_skips() scopes, innermost last
 
 
-def skip_row(reason: str, where: str, error: Exception | str) -> None:
+def skip_row(reason: str, where: str, error: Exception | str, *, rows: int | None = None) -> None:
     """Called by a task loader that drops a row (``reason`` e.g. "broken_images"): logs it and counts it in
-    every open ``count_load_skips()`` scope."""
-    logging.getLogger("vlm_grpo_ma.data").warning("skipping %s: %s", where, error)
+    every open ``count_load_skips()`` scope. ``rows``: the one line for that many rows of file ``where``
+    (``rows_to_samples`` reports a file's skips so, once per reason: a 260k-row file with a bad column would
+    log 260k lines), ``error`` saying why and where the first was."""
+    log = logging.getLogger("vlm_grpo_ma.data")
+    if rows is None:
+        log.warning("skipping %s: %s", where, error)
+    else:
+        log.warning("%d row%s of %s skipped: %s", rows, "s"[: rows != 1], where, error)
     for counts in _load_skips:
-        counts[reason] += 1
+        counts[reason] += 1 if rows is None else rows
 
 
 @contextlib.contextmanager

@@ -11,8 +11,9 @@ they are made, so an interrupted evaluation resumes where it stopped when the sa
 
 Outputs under ``--output-dir`` (default ``evals/<models>--<tasks>``): ``<model>/<task>-<split>/samples.jsonl`` (id, thought, answer, parsed
 prediction, reward parts), ``.../draw/*.png`` (prediction in red, truth in green, for tasks that draw; a video
-sample on a strip of its first video's frames, decoded under ``--video-fps`` / ``--video-max-frames`` /
-``--video-max-pixels``, by default the run's own ``model.video_*``),
+sample on a strip of its first video's frames, decoded under the run's own ``model.video_*``, each key
+replaced by ``--video-fps`` / ``--video-max-frames`` / ``--video-max-pixels`` where given; a resumed video
+benchmark keeps the budget it started with),
 ``results.json`` and ``results.md`` (one column per model). Training scores its held-out samples with the same
 code (``run/evaluation.py``) every ``train.eval_every`` steps.
 """
@@ -24,7 +25,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run.config import ModelConfig
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
+from vlm_grpo_ma.run.run_dir import CONFIG_FILE
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules, load_samples
 from vlm_grpo_ma.task_api.videos import VideoBudget
 
@@ -54,7 +56,7 @@ class ModelSpec:
 
 def run_video_budget(run_dir: Path) -> VideoBudget | None:
     """The video budget a run trained with (``model.video_*`` of its saved config.yaml), or None without one."""
-    config = run_dir / "config.yaml"
+    config = run_dir / CONFIG_FILE
     if not config.is_file():
         return None
     model = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("model") or {}
@@ -71,7 +73,7 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
     if spec == TINY_MODEL_NAME:
         return ModelSpec("tiny", spec)
     path = Path(spec)
-    if (path / "checkpoints").is_dir():
+    if (path / "checkpoints").is_dir() or (path / CONFIG_FILE).is_file():  # a run directory
         found = ckpt.list_checkpoints(path)
         if step is not None:
             found = [c for c in found if c.name == ckpt.checkpoint_dir(path, step).name]
@@ -79,7 +81,10 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
                 steps = ", ".join(c.name for c in ckpt.list_checkpoints(path)) or "none"
                 raise FileNotFoundError(f"run {path} has no checkpoint for --step {step}; it has: {steps}")
         if not found:
-            raise FileNotFoundError(f"run {path} has no checkpoint yet (checkpoints/ is empty)")
+            raise FileNotFoundError(
+                f"run {path} has no checkpoint yet (a run writes one every train.checkpoint_every steps and at its"
+                " end); evaluate it once one is written"
+            )
         def passed_over(error):
             if step is None:  # an explicit --step is refused, not replaced
                 log.warning("%s; evaluating the checkpoint before it", error)
@@ -90,14 +95,19 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
             raise ValueError(f"no checkpoint of run {path} loads: " + "; ".join(failures))
         return ModelSpec(f"{path.resolve().name}@{checkpoint.name}", str(checkpoint / "model"), run_video_budget(path))
     if path.exists():
-        model = path / "model" if (path / "model").is_dir() and (path / "state.pt").is_file() else path
+        checkpoint = path if (path / "model").is_dir() and (path / "state.pt").is_file() else None
+        if checkpoint is None and path.name == "model" and (path.parent / "state.pt").is_file():
+            checkpoint = path.parent  # a checkpoint's model/ folder: its run's model all the same
+        if checkpoint is None:
+            checked_model_path(spec, "--models")  # no config.json, no weights ...: one line, before any model loads
+        model = checkpoint / "model" if checkpoint is not None else path
         try:
             ckpt.check_weight_files(model)
         except ckpt.CheckpointLoadError as error:
             raise ValueError(str(error)) from None
-        if model != path:  # one checkpoint folder
-            run_dir = path.resolve().parent.parent
-            return ModelSpec(f"{run_dir.name}@{path.name}", str(model), run_video_budget(run_dir))
+        if checkpoint is not None:
+            run_dir = checkpoint.resolve().parent.parent
+            return ModelSpec(f"{run_dir.name}@{checkpoint.name}", str(model), run_video_budget(run_dir))
         return ModelSpec(path.resolve().name, str(path))
     checked_model_path(spec, "--models")  # a mistyped folder or an unknown hub id: one line, at once
     return ModelSpec(spec.replace("/", "__"), spec)
@@ -159,27 +169,35 @@ def evaluate_models(
     dtype: str = "float32",
     progress: bool = True,
     load: Callable[..., Policy] = load_policy,
-    video_budget: VideoBudget | None = None,
+    video_overrides: dict[str, float | int] | None = None,
 ) -> dict:
     """Score every model on every task; write the outputs described in the module docstring. Videos are
-    seen, scored and drawn under ``video_budget``; None: each model's run's budget (``ModelSpec.video_budget``),
-    else training's default ``model.video_*``."""
+    seen, scored and drawn under each model's budget: its run's (``ModelSpec.video_budget``), else training's
+    default ``model.video_*``, with each key of ``video_overrides`` (a ``VideoBudget`` field -> its value: the
+    ``--video-*`` flags given) over it."""
     output_dir.mkdir(parents=True, exist_ok=True)
     data = {}
     for name in task_names:
         task = get_task(name)
         samples = load_samples(task, split, sources.get(name))
         data[name] = (task, samples[:limit] if limit else samples)
+    budgets = {model.label: replace(model.video_budget or VideoBudget(), **(video_overrides or {})) for model in models}
+    benches = {name: f"{name}-{_benchmark_name(split, sources.get(name))}" for name in data}
+    for model in models:  # every resume is checked before any model loads: a refusal costs no evaluation
+        for name, (_, samples) in data.items():
+            folder = output_dir / model.label / benches[name]
+            folder.mkdir(parents=True, exist_ok=True)
+            # a video benchmark's budget is part of what it is: a resume continues under the same one
+            video_budget = budgets[model.label] if any(s.videos for s in samples) else None
+            _check_settings(folder / "settings.json", settings, model, video_budget)
     results: dict[str, dict[str, dict[str, float]]] = {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for model in models:
-        budget = video_budget or model.video_budget or VideoBudget()
-        policy = load(model.path, dtype=dtype, device="cuda" if torch.cuda.is_available() else "cpu", video_budget=budget)
+        policy = load(model.path, dtype=dtype, device=device, video_budget=budgets[model.label])
         results[model.label] = {}
         for name, (task, samples) in data.items():
-            bench = f"{name}-{_benchmark_name(split, sources.get(name))}"
+            bench = benches[name]
             folder = output_dir / model.label / bench
-            folder.mkdir(parents=True, exist_ok=True)
-            _check_settings(folder / "settings.json", settings, model, len(samples))
             metrics, records = evaluate_task(
                 policy, task, samples, settings, batch_size=batch_size, records_path=folder / "samples.jsonl",
                 progress=progress, description=f"{model.label} {bench}",
@@ -197,14 +215,21 @@ def evaluate_models(
     return payload
 
 
-def _check_settings(path: Path, settings: EvalSettings, model: ModelSpec, num_samples: int) -> None:
-    """Resuming is only sound with the same model and settings: refuse otherwise."""
+def _check_settings(path: Path, settings: EvalSettings, model: ModelSpec, video_budget: VideoBudget | None) -> None:
+    """Resuming is only sound with the same model, settings and (for a benchmark with videos) video budget:
+    refuse otherwise, naming what differs. A benchmark without videos records no budget (it changes nothing)."""
     identity = {"model": model.path, "settings": asdict(settings)}
+    if video_budget is not None:
+        identity["video_budget"] = asdict(video_budget)
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved != identity:
+            changed = "; ".join(
+                f"{key}: {saved.get(key)} there, {identity.get(key)} now"
+                for key in dict.fromkeys([*saved, *identity]) if saved.get(key) != identity.get(key)
+            )  # fmt: skip
             raise ValueError(
-                f"{path.parent} holds an evaluation with other settings ({saved}); this one is {identity}. "
+                f"{path.parent} holds an evaluation with other settings ({changed}). "
                 "Use another --output-dir, or delete that folder to start it again"
             )
     else:
@@ -237,8 +262,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draw", type=int, default=8, help="images to draw per model and task (default 8)")
-    # The video budget (training's model.video_* keys, task_api/videos.py). Unset: a run's own (its config.yaml),
-    # else training's defaults; any one set: these, with the defaults for the others.
+    # The video budget (training's model.video_* keys, task_api/videos.py): a run's own (its config.yaml), else
+    # training's defaults; each flag given replaces that one key.
     model_defaults = ModelConfig()
     parser.add_argument("--video-fps", type=float,
                         help=f"video frames sampled per second (model.video_fps; default: the run's, else {model_defaults.video_fps:g})")
@@ -263,19 +288,15 @@ def main(argv: list[str] | None = None) -> int:
         for value, name in ((args.limit, "--limit"), (args.batch_size, "--batch-size")):
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
-        video_budget = None
+        # each flag given replaces that one key of a model's budget (its run's, else training's defaults)
         chosen = {"fps": args.video_fps, "max_frames": args.video_max_frames, "max_pixels": args.video_max_pixels}
-        if any(value is not None for value in chosen.values()):
-            defaults = ModelConfig()
-            video_budget = VideoBudget(
-                fps=defaults.video_fps if args.video_fps is None else args.video_fps,
-                max_frames=defaults.video_max_frames if args.video_max_frames is None else args.video_max_frames,
-                max_pixels=defaults.video_max_pixels if args.video_max_pixels is None else args.video_max_pixels,
-            )
-            if not video_budget.fps > 0 or video_budget.max_pixels < 1:
-                raise ValueError(f"--video-fps={video_budget.fps:g} and --video-max-pixels={video_budget.max_pixels} must be positive")
-            if video_budget.max_frames < 2:  # frames go to the vision tower in pairs (its temporal patch)
-                raise ValueError(f"--video-max-frames={video_budget.max_frames} must be >= 2")
+        video_overrides = {key: value for key, value in chosen.items() if value is not None}
+        if args.video_fps is not None and not args.video_fps > 0:
+            raise ValueError(f"--video-fps={args.video_fps:g} must be positive")
+        if args.video_max_pixels is not None and args.video_max_pixels < 1:
+            raise ValueError(f"--video-max-pixels={args.video_max_pixels} must be positive")
+        if args.video_max_frames is not None and args.video_max_frames < 2:  # the vision tower takes frames in pairs
+            raise ValueError(f"--video-max-frames={args.video_max_frames} must be >= 2")
         settings = EvalSettings(
             samples=args.samples, temperature=args.temperature, max_thought_tokens=args.max_thought_tokens,
             max_answer_tokens=args.max_answer_tokens, seed=args.seed,
@@ -289,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = evaluate_models(
             models, args.tasks, split=args.split, sources=sources, settings=settings,
             output_dir=output_dir, limit=args.limit, batch_size=args.batch_size, draw=args.draw,
-            dtype=args.dtype, progress=not args.no_progress, video_budget=video_budget,
+            dtype=args.dtype, progress=not args.no_progress, video_overrides=video_overrides,
         )
     except (ValueError, KeyError, OSError) as error:  # bad arguments, unknown task, missing file or model
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)

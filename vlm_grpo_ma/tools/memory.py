@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from vlm_grpo_ma.model.architectures import Architecture, architecture_of, parameter_counts
-from vlm_grpo_ma.run.config import Config, ConfigError, load_config
+from vlm_grpo_ma.run.config import Config, ConfigError
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.memory_model import GPU_SIZES_GB, PARTS, STRATEGIES, estimate, verdict, video_tokens
 
 REPO = Path(__file__).resolve().parents[2]

@@ -169,7 +169,7 @@ def sample_rewards(run_dir: Path, *, step: int | None, prompts: int, thoughts: i
     from vlm_grpo_ma.engines.decode import prompt_generators
     from vlm_grpo_ma.engines.rollout import generate_rollout
     from vlm_grpo_ma.model.prompts import encode_prompt
-    from vlm_grpo_ma.run.config import load_config
+    from vlm_grpo_ma.run.config_files import load_config
     from vlm_grpo_ma.run.loop import sampling_settings
     from vlm_grpo_ma.run.rewards import score_rollout
     from vlm_grpo_ma.run.setup import load_model_policy
