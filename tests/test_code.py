@@ -3,6 +3,7 @@ hostile programs (each must be contained, score 0 with its reason counted, and l
 
 import collections
 import dataclasses
+import functools
 import gzip
 import importlib.util
 import json
@@ -485,12 +486,18 @@ def test_a_daemon_that_escaped_the_session_is_swept():
     assert "daemon" in result.output, result  # and _hostile found no process of the sandbox uid left
 
 
+# How long the sandboxed programs below hang, and the sandbox's wall-clock limit where a test needs that
+# deadline out of the way. What must end them is shown to do so within WAIT_S, a tenth of it: a bound no
+# loaded machine misses, and far short of waiting the hang out (issue 45: no tighter wall-clock limits).
+HANG_S = 600.0
+WAIT_S = HANG_S / 10
+
 # A trainer's side that runs one sandboxed program which sleeps at import, then waits to be killed or stopped.
-STAND_IN = """
+STAND_IN = f"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from tasks._sandbox import Isolation, Limits, Step, run_tests
-run_tests("import time\\ntime.sleep(60)", [Step("assert True")], limits=Limits(wall_s=float(sys.argv[2]), cpu_s=30),
+run_tests("import time\\ntime.sleep({HANG_S:g})", [Step("assert True")], limits=Limits(wall_s=float(sys.argv[2]), cpu_s=30),
           isolation=Isolation(**json.loads(sys.argv[3])))
 """
 
@@ -514,14 +521,14 @@ def _start_stand_in(tmp_path, wall_s: float, isolation: Isolation):
         [sys.executable, "-c", STAND_IN, str(REPO), str(wall_s), json.dumps(dataclasses.asdict(isolation))],
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         judges = [pid for pid in _sandbox._pids() if _parent_of(pid) == process.pid]
         if judges and len(_live_in_session(judges[0])) >= 3:
             return process, judges[0]
         time.sleep(0.02)
     process.kill()
-    raise AssertionError("the sandboxed program did not start within 30 s")
+    raise AssertionError(f"the sandboxed program did not start within {WAIT_S:g} s")
 
 
 def _parent_of(pid: int) -> int | None:
@@ -545,22 +552,23 @@ def _seconds_until_nothing_is_left(tmp_path, judge: int, limit_s: float) -> floa
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_a_killed_trainer_side_leaves_no_sandbox_process_or_folder(tmp_path, isolation):
     # A reward worker killed at its reward deadline, or with the trainer (SIGKILL): the judge's guard sees
-    # the lifeline close and ends the judge, its init and the program and removes the working directory.
-    process, judge = _start_stand_in(tmp_path, wall_s=30.0, isolation=isolation)
+    # the lifeline close and ends the judge, its init and the program and removes the working directory
+    # (long before the sandbox's own deadline, HANG_S). Planted: the guard blind to the lifeline.
+    process, judge = _start_stand_in(tmp_path, wall_s=HANG_S, isolation=isolation)
     assert list(tmp_path.glob("vlm-sandbox-*"))
     process.kill()
     process.wait()
-    _seconds_until_nothing_is_left(tmp_path, judge, limit_s=2.0)
+    _seconds_until_nothing_is_left(tmp_path, judge, limit_s=WAIT_S)
 
 
 def test_the_judge_ends_the_run_at_its_own_deadline_when_the_trainer_side_cannot(tmp_path):
     # The trainer's side is alive but stopped (SIGSTOP): nothing of it can act, so the judge's own deadline
-    # (the wall-clock limit + _GUARD_GRACE_S from the judge's start) must end the run and remove the folder.
-    wall_s = 1.0
-    process, judge = _start_stand_in(tmp_path, wall_s=wall_s, isolation=FULL)
+    # (the wall-clock limit + _GUARD_GRACE_S from the judge's start) must end the run, whose program would
+    # sleep HANG_S, and remove the folder. Planted: the guard without its deadline.
+    process, judge = _start_stand_in(tmp_path, wall_s=1.0, isolation=FULL)
     process.send_signal(signal.SIGSTOP)
     try:
-        _seconds_until_nothing_is_left(tmp_path, judge, limit_s=wall_s + 2.0)
+        _seconds_until_nothing_is_left(tmp_path, judge, limit_s=WAIT_S)
     finally:
         process.kill()
         process.wait()
@@ -580,18 +588,21 @@ def _processes_working_in(folder) -> list[int]:
 
 def test_a_reward_past_its_deadline_leaves_no_sandbox_behind(tmp_path, monkeypatch):
     # The issue's case: a program that sleeps at import under a reward deadline shorter than the sandbox's
-    # wall-clock limit. The pool kills the worker at the deadline; its judge must not outlive it.
+    # wall-clock limit. The pool kills the worker at the deadline; its judge must not outlive it. The
+    # reward's own run, with that limit raised to HANG_S (code.LIMITS' 10 s would end the run by itself
+    # within WAIT_S). Planted: the guard blind to the lifeline.
     from vlm_grpo_ma.task_api.reward_pool import RewardPool, RewardTimeout
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the worker's sandbox folders go here
     pool = RewardPool()
+    run = functools.partial(code.run_program, limits=dataclasses.replace(code.LIMITS, wall_s=HANG_S))
     try:
-        program = "import time\ntime.sleep(60)\ndef add(a, b):\n    return a + b"
-        [(parts, error)] = pool.run([(code.reward, _completion(_answer(program)), ADD)], workers=1, timeout_s=1.0)
+        program = f"import time\ntime.sleep({HANG_S:g})\ndef add(a, b):\n    return a + b"
+        [(parts, error)] = pool.run([(run, program, ADD.answer)], workers=1, timeout_s=1.0)
     finally:
         pool.close()
     assert parts is None and isinstance(error, RewardTimeout)
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + WAIT_S
     while _processes_working_in(tmp_path) or list(tmp_path.glob("vlm-sandbox-*")):
         assert time.monotonic() < deadline, (_processes_working_in(tmp_path), list(tmp_path.glob("vlm-sandbox-*")))
         time.sleep(0.02)
