@@ -190,3 +190,74 @@ def test_the_cli_reports_invalid_yaml_without_a_traceback(tmp_path, capsys):
     assert cli.main(["--config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}:2:1: not valid YAML") and "Traceback" not in err
+
+
+# ---------------------------------------------------------------------------------------------- --print-config
+
+
+def test_every_setting_is_described_by_its_comment_in_the_config():
+    """The comments of run/config.py are the one place a setting is described (--print-config shows them). Planted:
+    only a field's own-line comments read (not those above it); 12 settings came back empty."""
+    from dataclasses import fields
+
+    from vlm_grpo_ma.run.config_files import setting_descriptions
+
+    descriptions = setting_descriptions()
+    keys = [f"{section.name}.{item.name}" for section in fields(Config) for item in fields(section.default_factory)]
+    assert sorted(descriptions) == sorted(keys)
+    assert [key for key in keys if not descriptions[key].strip()] == []
+    assert descriptions["rollout.num_answers"] == "M: answers sampled per thought; 1 = plain GRPO"  # on its own line
+    assert descriptions["algorithm.answer_baseline"].startswith("The group an answer's reward is normalised over.")  # above
+
+
+def test_print_config_prints_every_setting_its_value_and_what_it_is_as_yaml(capsys):
+    """--print-config prints the tree as a YAML file --config reads: the defaults (train.output_dir derived, as
+    a run derives it), each with its description as the line's comment; the overrides show. Planted: the defaults
+    printed whatever the command line said (train.steps stayed 300)."""
+    import yaml
+
+    from vlm_grpo_ma.run import cli
+    from vlm_grpo_ma.run.config import default_output_dir
+    from vlm_grpo_ma.run.config_files import setting_descriptions
+
+    assert cli.main(["--print-config"]) == 0
+    printed = capsys.readouterr().out
+    expected = Config().to_dict()
+    expected["train"]["output_dir"] = default_output_dir(Config())
+    assert yaml.safe_load(printed) == expected
+    descriptions = setting_descriptions()
+    for section, values in expected.items():
+        for key in values:
+            (line,) = [line for line in printed.splitlines() if line.startswith(f"  {key}: ") and line.endswith(descriptions[f"{section}.{key}"])]
+            assert "  # " in line
+    assert cli.main(["--print-config", "train.steps=7", "--task", "video"]) == 0
+    changed = yaml.safe_load(capsys.readouterr().out)
+    assert changed["train"]["steps"] == 7 and changed["data"]["task"] == "video"
+    assert changed["train"]["output_dir"] == "runs/video-tiny"
+
+
+# ---------------------------------------------------------------------------------------------- threads
+
+
+@pytest.mark.parametrize(
+    ("load", "cores", "threads", "processes", "warns"),
+    [
+        (3.5, 2, 2, 1, True),  # other runs on the 2 cores, torch's 2 threads: the 10-25x slowdown
+        (1.0, 2, 2, 1, True),  # one other busy thread: 3 threads on 2 cores
+        (0.9, 2, 2, 1, False),  # an idle machine's background
+        (3.5, 2, 1, 1, False),  # one thread a process takes its share, however busy the machine
+        (1.0, 4, 2, 2, True),  # a launch: 2 processes x 2 threads fill the 4 cores, and one more is busy
+        (1.5, 16, 8, 1, False),  # 8 threads and the load fit in 16 cores
+        (9.0, 16, 8, 1, True),
+    ],
+)
+def test_a_busy_machine_is_said_at_start_naming_num_threads(load, cores, threads, processes, warns):
+    """Planted: the one-thread case not exempted (3.5 load, 1 thread warned), and the run's processes not
+    counted (load 1, 2 x 2 threads on 4 cores did not warn); each failed here."""
+    from vlm_grpo_ma.run.setup import busy_machine_warning
+
+    message = busy_machine_warning(load, cores, threads, processes)
+    assert (message is not None) == warns
+    if warns:
+        assert "train.num_threads=1" in message and f"load average {load:.1f} on {cores} cores" in message
+        assert "\n" not in message

@@ -66,3 +66,16 @@ def test_resume_restores_only_the_cuda_rng_states_of_visible_gpus(monkeypatch):
     saved = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": [torch.tensor([d]) for d in range(4)]}
     checkpoint.set_rng_state(saved)
     assert restored == [(0, 0), (1, 1)]
+
+
+def test_a_short_run_prints_n_a_where_a_spread_has_too_few_steps():
+    """Two steps make fifths of one step: no step-to-step spread and no standard error (NaN), and an evaluation
+    figure no sample had is null in metrics.jsonl. The summary printed "nan" spreads, and a null evaluation
+    figure raised TypeError. Planted: the figures formatted as they were ("std nan"; the TypeError)."""
+    records = [{"step": 0, "eval/grounding/iou": 0.25, "eval/grounding/acc": None},
+               {"step": 1, "reward/mean": 0.5}, {"step": 2, "reward/mean": 0.75, "eval/grounding/iou": 0.5, "eval/grounding/acc": None}]  # fmt: skip
+    text = format_summary(summarize(records, keys=("reward/mean",)))
+    assert "nan" not in text.lower()
+    assert "reward/mean    first fifth 0.5000   last fifth 0.7500   gain +0.2500 (standard error n/a)   step-to-step std n/a" in text
+    assert "eval/grounding/iou             step 0: 0.2500   step 2: 0.5000" in text
+    assert "eval/grounding/acc             step 0: n/a   step 2: n/a" in text

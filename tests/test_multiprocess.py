@@ -169,7 +169,7 @@ def test_a_full_disk_on_the_main_sharded_process_mid_save_stops_both_with_its_me
     )  # fmt: skip
     output = _finish(process, 150)
     assert process.returncode != 0, output
-    assert "process 0 stopped the run: OSError: [Errno 28] No space left on device" in output, output
+    assert "OSError: [Errno 28] No space left on device" in output, output  # rank 0's own (rank 1 says nothing)
     from vlm_grpo_ma.run.checkpoint import list_checkpoints, load_resumable_state
 
     assert [p.name for p in list_checkpoints(run)] == ["step-000001"], output
@@ -200,6 +200,8 @@ def test_sigterm_to_one_process_stops_both_saves_the_steps_done_and_resume_conti
     # exit: the launcher's summary then shows -15 for it.
     assert process.returncode != 0 and re.search(r"exitcode\s+:\s*143", output), output
     assert output.count("stopping every process: process 1 received signal SIGTERM") == 2, output
+    assert output.count(f"Continue with: python -m vlm_grpo_ma.train --output-dir {run} --resume") == 1, output
+    assert output.count("INFO vlm_grpo_ma.train: trainable:") == 1, output  # INFO from the main process only
     from vlm_grpo_ma.run.checkpoint import latest_checkpoint
 
     last_logged = json.loads(metrics.read_text().splitlines()[-1])["step"]
@@ -207,7 +209,40 @@ def test_sigterm_to_one_process_stops_both_saves_the_steps_done_and_resume_conti
     resumed = _launch_two(run, strategy, *overrides[:-2], f"train.steps={last_logged + 1}", "--resume")
     output = _finish(resumed, 240)
     assert resumed.returncode == 0, output
+    assert output.count("INFO vlm_grpo_ma.train: resumed from") == 1, output
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, last_logged + 2))
+
+
+@pytest.mark.slow
+def test_a_folder_that_holds_a_run_or_is_locked_is_refused_in_one_line_once(tmp_path):
+    """Under a launch every process refused a folder holding a run and printed the line (two copies, glued
+    together), and one process aborted ("terminate called without an active exception"); a locked folder was
+    said four times (each process's "stopping every process" log, the main process's error and the other's
+    "process 0 stopped the run"). The processes now stop together at the check, and the main process says it.
+    Planted and seen to fail: every process printing its error (each line twice)."""
+    from vlm_grpo_ma.run.run_dir import LOCK_FILE, hold_run_dir
+
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "metrics.jsonl").write_text("")
+    output = _finish(_launch_two(held, "ddp"), 120)
+    assert [line for line in output.splitlines() if "already holds a run" in line] == [
+        f"error: train.output_dir={held} already holds a run (metrics.jsonl); continue it with --resume, start over"
+        " with --overwrite (deletes those outputs), or choose another --output-dir"
+    ], output
+    assert "terminate called" not in output, output
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    lock = hold_run_dir(locked)  # another run's, alive
+    try:
+        output = _finish(_launch_two(locked, "ddp"), 120)
+    finally:
+        lock.close()
+    holder = (locked / LOCK_FILE).read_text().strip()
+    assert [line for line in output.splitlines() if "is in use by another run" in line] == [
+        f"error: train.output_dir={locked} is in use by another run ({holder}); wait for it to end, stop it, or choose"
+        " another --output-dir"
+    ], output
 
 
 def _worker_pid(launcher_pid: int, rank: int) -> int:

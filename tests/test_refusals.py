@@ -247,3 +247,57 @@ def test_lora_targets_the_decoder_lacks_are_one_line_before_anything_loads(tmp_p
         f" {untrained_tiny_dir}; its projections are: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj\n"
     )
     assert not run.exists()
+
+
+# ---------------------------------------------------------------------------------------------- a launch says it once
+
+
+def test_a_launch_says_a_refusal_once_from_its_main_process(monkeypatch, capsys):
+    """Every process of a launch reads the same command line and meets the same refusals: two processes printed
+    the line twice, glued together. The main process (RANK 0) says a refusal and another process's failure; the
+    others say only their own failures. Planted: every process printing (rank 1 printed the refusal)."""
+    from vlm_grpo_ma.run.survive import NonFiniteError, StoppedByAnotherProcess
+
+    monkeypatch.setattr(cli, "quiet_other_processes", lambda rank: None)  # this test process's logging stays as it is
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(["rollout.num_answers=0"]) == 2
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv("RANK")
+    assert cli.main(["rollout.num_answers=0"]) == 2
+    assert capsys.readouterr().err == "error: rollout.num_answers=0 must be > 0\n"
+    said = {}
+    for rank in (0, 1):
+        for error in (ConfigError("refused"), StoppedByAnotherProcess("process 1 stopped the run: x"), NonFiniteError("own")):
+            cli.say_error(error, rank)
+            said[rank, type(error).__name__] = capsys.readouterr().err
+    assert said == {
+        (0, "ConfigError"): "error: refused\n", (0, "StoppedByAnotherProcess"): "error: process 1 stopped the run: x\n",
+        (0, "NonFiniteError"): "error: own\n",
+        (1, "ConfigError"): "", (1, "StoppedByAnotherProcess"): "", (1, "NonFiniteError"): "error: own\n",
+    }  # fmt: skip
+
+
+def test_other_processes_log_errors_and_their_own_failures_only():
+    """INFO and WARNING are said once, by the main process; on the others the project's loggers pass errors,
+    and warnings of their own failures (a reward that raised on their answers). Planted: nothing quietened."""
+    import transformers
+
+    from vlm_grpo_ma.run.distributed import OWN_LOGGERS, quiet_other_processes
+
+    names = ["vlm_grpo_ma", *OWN_LOGGERS]
+    levels = {name: logging.getLogger(name).level for name in names}
+    verbosity, bars = transformers.utils.logging.get_verbosity(), transformers.utils.logging.is_progress_bar_enabled()
+    try:
+        quiet_other_processes(0)
+        assert {name: logging.getLogger(name).level for name in names} == levels  # the main process: as it was
+        quiet_other_processes(1)
+        train, rewards = logging.getLogger("vlm_grpo_ma.train"), logging.getLogger("vlm_grpo_ma.run.rewards")
+        assert not train.isEnabledFor(logging.WARNING) and train.isEnabledFor(logging.ERROR)
+        assert rewards.isEnabledFor(logging.WARNING) and not rewards.isEnabledFor(logging.INFO)
+        assert not transformers.utils.logging.is_progress_bar_enabled()  # "Loading weights" once, not per process
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        transformers.utils.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ from vlm_grpo_ma.run.checkpoint import checkpoint_dir, latest_checkpoint, list_c
 from vlm_grpo_ma.run.survive import NonFiniteError
 from vlm_grpo_ma.task_api import read_rows
 from vlm_grpo_ma.task_api.images import ImageLoadError
-from vlm_grpo_ma.task_api.registry import count_load_skips
+from vlm_grpo_ma.task_api.registry import Sample, count_load_skips
 from vlm_grpo_ma.task_api.streams import PromptStream, TaskMixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +106,35 @@ def test_sigterm_saves_the_last_completed_step_and_resume_continues(untrained_ti
     train_module.train(_cfg(untrained_tiny_dir, run, f"train.steps={last_logged + 1}"), resume=True)
     assert latest_checkpoint(run).name == f"step-{last_logged + 1:06d}"
     assert [r["step"] for r in _records(run / "metrics.jsonl")] == list(range(1, last_logged + 2))
+
+
+def test_ctrl_c_ends_with_the_checkpoint_saved_and_the_command_that_continues(untrained_tiny_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in step 3 of 3: the two steps done are saved on the way out, and the run's last word is the
+    checkpoint and the command that continues it, which then finishes the run; stopped before any checkpoint, it
+    says there is nothing to continue. Planted: no such line (as before: the log's "saving a checkpoint" only)."""
+    from vlm_grpo_ma.run import cli
+
+    run = tmp_path / "run"
+    sample_step = train_module.sample_step
+
+    def stop_in_step_3(run_state, step):
+        if step == 2:
+            raise KeyboardInterrupt  # Ctrl-C
+        return sample_step(run_state, step)
+
+    monkeypatch.setattr(train_module, "sample_step", stop_in_step_3)
+    arguments = ["--output-dir", str(run), f"model.name_or_path={untrained_tiny_dir}", "train.steps=3", "train.checkpoint_every=100"]
+    assert cli.main([*arguments, *TINY_RUN]) == 130
+    said = [line for line in capsys.readouterr().err.splitlines() if "Continue with" in line]
+    assert said == [
+        f"stopped; checkpoint {checkpoint_dir(run, 2)} holds step 2. Continue with: python -m vlm_grpo_ma.train --output-dir {run} --resume"
+    ]
+    monkeypatch.setattr(train_module, "sample_step", sample_step)
+    assert cli.main(said[0].split("python -m vlm_grpo_ma.train ")[1].split()) == 0  # the command, as printed
+    assert latest_checkpoint(run).name == "step-000003"
+    assert cli.how_to_continue(tmp_path / "fresh") == (
+        "stopped before the first checkpoint, so there is nothing to continue; to start again, add --overwrite to the same command"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -210,6 +240,39 @@ def test_other_loaders_skip_and_count_an_unreadable_image_but_name_a_missing_one
     )
     with pytest.raises(FileNotFoundError, match=r"rows.jsonl:2: image file not found: .*nowhere.png"):
         grounding.load(source=str(missing))
+
+
+def test_the_main_process_names_a_broken_image_of_another_process_share(caplog):
+    """Each process of a launch decodes only its share of a step's images, and only the main process logs
+    warnings (distributed.quiet_other_processes): an image broken in process 1's share was named by process 1
+    alone, now quiet. Every process learns every failure at the exchange and names it there, once per file.
+    Process 0 of 2 here; the exchange stands for gather_object, process 1's part made as process 1 makes it.
+    Planted: the warning where the image failed to encode (process 0 said nothing)."""
+    samples = [Sample("t", f"main-names-{i}", "q", (f"img{i}",), None) for i in range(8)]
+    first_two = PromptStream(samples, seed=0).take(2)  # a step of 2 prompts on 2 processes: process 1 encodes the 2nd
+    broken = first_two[1].id
+
+    def encode(sample):
+        if sample.id == broken:
+            raise ImageLoadError(f"{sample.id}.png is broken")
+        return f"prompt of {sample.id}"
+
+    rounds = []
+
+    def exchange(work):
+        rounds.append(work)
+        theirs = train_module.encode_candidates(first_two, [False, True], encode, {}) if len(rounds) == 1 else {}
+        return [work(), theirs]
+
+    counters = Counter()
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo_ma.train"):
+        for _ in range(2):
+            drawn, _ = train_module.draw_prompts(PromptStream(samples, seed=0), 2, encode, counters, process_index=0,
+                                                 num_processes=2, exchange=exchange)  # fmt: skip
+            rounds.clear()
+    assert broken not in [s.id for s in drawn] and counters["skipped_broken_images"] == 2  # each time, counted
+    said = [r.getMessage() for r in caplog.records if broken in r.getMessage()]
+    assert said == [f"skipping sample {broken}: {broken}.png is broken"]  # once
 
 
 # ---------------------------------------------------------------------------------------------- non-finite
@@ -484,25 +547,28 @@ def test_the_same_signal_twice_within_the_grace_is_one_request_and_later_raises_
 
 @pytest.mark.parametrize(
     ("ending", "left_initialised"),
-    [("returns", False), ("stops together", False), ("fails on this process alone", True)],
+    [("returns", False), ("stops together", False), ("fails on this process alone", True), ("refuses", False)],
 )
 def test_a_launched_run_leaves_its_process_group_before_exit_unless_a_collective_may_be_in_flight(tmp_path, ending, left_initialised):
     """A process group left to interpreter teardown made gloo abort a DDP process now and then (SIGABRT,
     "terminate called without an active exception", seen once in CI in the SIGTERM test) instead of exiting
     with the run's code. The CLI destroys it when the run returned or stopped at a point every process reached,
-    and not after an error on one process alone; the error goes on out. Planted and seen to fail: the destroy call
-    removed; destroying after every error; the error swallowed."""
+    or refused (a ConfigError: every process of a launch refused a folder holding a run, and one aborted), and
+    not after another error on one process alone; the error goes on out. Planted and seen to fail: the destroy
+    call removed; destroying after every error; the error swallowed; a ConfigError left to teardown."""
+    from vlm_grpo_ma.run.config import ConfigError
     from vlm_grpo_ma.run.distributed import process_group_left_at_the_end
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         # an error must come out of the block as it went in
-        stopping = contextlib.nullcontext() if ending == "returns" else pytest.raises(RuntimeError, match="^stop$")
+        kind = ConfigError if ending == "refuses" else RuntimeError
+        stopping = contextlib.nullcontext() if ending == "returns" else pytest.raises(kind, match="^stop$")
         with stopping:
             with process_group_left_at_the_end():
                 torch.distributed.all_reduce(torch.ones(1))  # the group was used, as a run uses it
                 if ending != "returns":
-                    error = RuntimeError("stop")
+                    error = kind("stop")
                     error.stopped_together = ending == "stops together"
                     raise error
         assert torch.distributed.is_initialized() is left_initialised

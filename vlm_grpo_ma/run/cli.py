@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+from pathlib import Path
 
 from vlm_grpo_ma.model.loading import checked_model_path
+from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run import survive
 from vlm_grpo_ma.run.config import ConfigError
-from vlm_grpo_ma.run.config_files import load_config
-from vlm_grpo_ma.run.distributed import process_group_left_at_the_end
+from vlm_grpo_ma.run.config_files import describe_config, load_config
+from vlm_grpo_ma.run.distributed import launch_rank, process_group_left_at_the_end, quiet_other_processes
 from vlm_grpo_ma.run.loop import train
 from vlm_grpo_ma.run.run_dir import resumed_settings
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules
@@ -34,6 +37,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "--allow-changes", action="store_true",
         help="with --resume: let the command line change what the run is (task, model, K, M, estimator, seed ...)",
     )  # fmt: skip
+    parser.add_argument(
+        "--print-config", action="store_true",
+        help="print every setting with its value (after --config, --resume and the overrides) and what it is, then exit",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="dotted overrides section.key=value")
     return parser
 
@@ -47,12 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_dir:
         overrides.append(f"train.output_dir={args.output_dir}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rank = launch_rank()
+    quiet_other_processes(rank)  # before --resume's notes: a launch says them once
     try:
         cfg = load_config(args.config, overrides)
         if args.resume:  # the run's own settings, the command line over them
             cfg = resumed_settings(cfg, args.config, overrides, allow_changes=args.allow_changes)
         elif args.allow_changes:
             raise ConfigError("--allow-changes goes with --resume (a new run has nothing to change)")
+        if args.print_config:
+            print(describe_config(cfg))
+            return 0
         if args.task and cfg.data.tasks:
             raise ConfigError(f"--task {args.task} and data.tasks {cfg.data.tasks} both name the tasks; give one")
         import_task_modules(cfg.data.task_modules)
@@ -60,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             get_task(name)
         if not args.resume:  # a resume loads its checkpoint's model
             checked_model_path(cfg.model.name_or_path, "model.name_or_path")  # a mistyped path: now, in one line
-    # ValueError: a ConfigError, or a model folder whose config is broken; KeyError: an unknown task name
+    # ValueError: a ConfigError, or a model folder whose config is broken; KeyError: an unknown task name. Every
+    # process of a launch reads the same command line: the main process says it.
     except (ValueError, KeyError, FileNotFoundError) as error:
-        print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
+        if rank == 0:
+            print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
     try:
         if args.resume and args.overwrite:
@@ -70,11 +84,34 @@ def main(argv: list[str] | None = None) -> int:
         with process_group_left_at_the_end():
             train(cfg, resume=args.resume, overwrite=args.overwrite)
     except ConfigError as error:  # found when loading the data or the model
-        print(f"error: {error}", file=sys.stderr)
+        say_error(error, rank)
         return 2
     except (survive.NonFiniteError, survive.StoppedByAnotherProcess) as error:  # the message names the quantity / process
-        print(f"error: {error}", file=sys.stderr)
+        say_error(error, rank)
         return 1
     except KeyboardInterrupt as interrupt:  # train() saved a checkpoint of the steps done
+        if rank == 0:
+            print(how_to_continue(Path(cfg.train.output_dir)), file=sys.stderr)
         return interrupt.exit_code if isinstance(interrupt, survive.Terminated) else 130
     return 0
+
+
+def say_error(error: Exception, rank: int) -> None:
+    """The error line of a run that stops, said once by a launch: the main process (rank 0) speaks for the run
+    (its own error, or ``process N stopped the run: ...``); another process says only a failure of its own: not
+    a ConfigError (every process meets the same one; one that a process meets alone, a folder it does not share,
+    stops every process together, and the main process names it) nor another process's (StoppedByAnotherProcess)."""
+    if rank == 0 or not isinstance(error, (ConfigError, survive.StoppedByAnotherProcess)):
+        print(f"error: {error}", file=sys.stderr)
+
+
+def how_to_continue(run_dir: Path) -> str:
+    """The line a run stopped by Ctrl-C or SIGTERM ends with: the checkpoint it continues from and the command
+    (the run's own config.yaml holds its settings), or, with none saved yet, how to start again."""
+    last = ckpt.latest_checkpoint(run_dir)
+    if last is None:
+        return "stopped before the first checkpoint, so there is nothing to continue; to start again, add --overwrite to the same command"
+    return (
+        f"stopped; checkpoint {last} holds step {ckpt.checkpoint_step(last)}. Continue with:"
+        f" python -m vlm_grpo_ma.train --output-dir {shlex.quote(str(run_dir))} --resume"
+    )

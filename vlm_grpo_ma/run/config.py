@@ -52,19 +52,19 @@ def shapes(part: str) -> dict[str, str]:
 @dataclass
 class ModelConfig:
     name_or_path: str = field(default="tiny", metadata=shapes("model"))  # "tiny" = the embedded model; else a hub id or local path of a Qwen-VL model
-    dtype: str = "float32"
+    dtype: str = "float32"  # the weights' dtype: float32 or bfloat16 (float16 is refused)
     attn_implementation: str = "auto"  # auto: flash_attention_2 when installed on a GPU, else sdpa
-    min_pixels: int | None = None  # image resizing bounds passed to the processor (None: the processor's own)
-    max_pixels: int | None = None
-    video_fps: float = VideoBudget.fps  # each video (task_api/videos.py): frames sampled this many a second,
-    video_max_frames: int = VideoBudget.max_frames  # at most this many (evenly over a longer clip; logged once),
-    video_max_pixels: int = VideoBudget.max_pixels  # each resized to at most this many pixels
-    gradient_checkpointing: bool = False
+    min_pixels: int | None = None  # each image resized to at least this many pixels (None: the processor's own bound)
+    max_pixels: int | None = None  # each image resized to at most this many pixels (None: the processor's own bound)
+    video_fps: float = VideoBudget.fps  # each video (task_api/videos.py): frames sampled a second
+    video_max_frames: int = VideoBudget.max_frames  # each video: at most this many frames (evenly over a longer clip; logged once)
+    video_max_pixels: int = VideoBudget.max_pixels  # each video frame resized to at most this many pixels
+    gradient_checkpointing: bool = False  # recompute activations in the backward: less memory, and prompts and thoughts re-encoded per row
     # keep the vision tower (and its merger) fixed and train the language model only; false trains it too
     freeze_vision: bool = field(default=True, metadata=shapes("trainable"))
     lora_rank: int = field(default=0, metadata=shapes("adapter"))  # > 0: train LoRA adapters of this rank (peft) instead of all weights
-    lora_alpha: float = field(default=32.0, metadata=shapes("adapter"))
-    lora_dropout: float = field(default=0.0, metadata=shapes("adapter"))
+    lora_alpha: float = field(default=32.0, metadata=shapes("adapter"))  # LoRA's scale: adapters count lora_alpha / lora_rank
+    lora_dropout: float = field(default=0.0, metadata=shapes("adapter"))  # dropout on the adapters' input
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         metadata=shapes("adapter"),
@@ -73,17 +73,17 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    num_thoughts: int = field(default=4, metadata=shapes("objective"))  # K
-    num_answers: int = field(default=4, metadata=shapes("objective"))  # M; 1 = plain GRPO
-    max_thought_tokens: int = 40
-    max_answer_tokens: int = 24
-    temperature: float = 1.0
-    top_p: float = 1.0
+    num_thoughts: int = field(default=4, metadata=shapes("objective"))  # K: thoughts sampled per prompt
+    num_answers: int = field(default=4, metadata=shapes("objective"))  # M: answers sampled per thought; 1 = plain GRPO
+    max_thought_tokens: int = 40  # a thought's token budget; one that reaches it gets a forced thought_stop
+    max_answer_tokens: int = 24  # an answer's token budget
+    temperature: float = 1.0  # sampling temperature (the trainer's log-probs are computed at it too)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability (1 = all)
     # A thought that reaches max_thought_tokens gets a forced "</think>". close: its answers are scored and trained
     # normally; zero: its answers score 0 (the thought's penalty) and are not trained on (rollout.answers_void).
     truncated_thoughts: str = field(default="close", metadata=shapes("objective"))
-    thought_stop: str = "</think>"
-    answer_stop: str = "</answer>"
+    thought_stop: str = "</think>"  # the text that ends a thought (stage 1 stops there, stage 2 continues)
+    answer_stop: str = "</answer>"  # the text that ends an answer
     reward_workers: int = 8  # worker processes scoring answers (each reward call runs in one)
     reward_timeout_s: float = 30.0  # deadline of one reward call; past it: killed, scored 0, count/reward_timeouts
     # What samples the K x M tree (vlm_grpo_ma/engines): hf (the KV-branching decode loop of engines/decode.py, the
@@ -109,14 +109,14 @@ class AlgorithmConfig:
     # answers; with M = 1 that is plain GRPO.
     answer_baseline: str = field(default="thought", metadata=shapes("objective"))
     scale_by_std: bool = field(default=True, metadata=shapes("objective"))  # false: Dr.GRPO's advantages (reward minus the group mean, no std division)
-    std_unbiased: bool = False
-    eps: float = 1e-6
+    std_unbiased: bool = False  # true: the Bessel-corrected std (n - 1, as TRL); false: the population std (n)
+    eps: float = 1e-6  # added to the std before dividing (verl, TRL); a group of equal rewards gets 0 regardless
     # The per-token policy loss (loss.POLICY_LOSSES): ppo (clipped surrogate), gspo (sequence-level ratio,
     # length-normalised; GSPO as published also sets loss_aggregation=sequence and clips at 3e-4/4e-4), cispo
     # (clipped, stop-gradient importance weight times the log-prob; clip_low=1 leaves the lower side open as
     # MiniMax-M1 does).
     policy_loss: str = field(default="ppo", metadata=shapes("objective"))
-    clip_low: float = 0.2
+    clip_low: float = 0.2  # the ratio's lower clip is 1 - clip_low (PPO's epsilon)
     clip_high: float = 0.28  # asymmetric ("clip-higher", DAPO arXiv 2503.14476)
     kl_coef: float = field(default=0.0, metadata=shapes("objective"))  # > 0 loads a frozen reference policy and adds k3 KL
     # policy updates per rollout. With 1 the importance ratio is exactly 1 and clip_low/clip_high have no effect;
@@ -133,16 +133,16 @@ class AlgorithmConfig:
     # prompts, up to dynamic_sampling_max_draws extra draws of train.prompts_per_step prompts, until the draws hold
     # prompts_per_step informative groups (short of that, uninformative ones fill the step; both are counted).
     dynamic_sampling: bool = False
-    dynamic_sampling_max_draws: int = 4
+    dynamic_sampling_max_draws: int = 4  # dynamic_sampling: at most this many extra draws a step
     # DAPO's soft overlong punishment: within the last N tokens before rollout.max_thought_tokens /
     # rollout.max_answer_tokens the reward falls linearly, by up to overlong_penalty at the limit. 0 = off.
     overlong_buffer_thought_tokens: int = field(default=0, metadata=shapes("objective"))
-    overlong_buffer_answer_tokens: int = field(default=0, metadata=shapes("objective"))
-    overlong_penalty: float = field(default=1.0, metadata=shapes("objective"))
+    overlong_buffer_answer_tokens: int = field(default=0, metadata=shapes("objective"))  # the same ramp for answers (0 = off)
+    overlong_penalty: float = field(default=1.0, metadata=shapes("objective"))  # the reward lost at the token limit
     # Correcting for the sampling engine's log-probs differing from the trainer's (bf16 engines): none, or tis
     # (truncated importance sampling: each token's loss times min(exp(old - engine), rollout_correction_cap)).
     rollout_correction: str = "none"
-    rollout_correction_cap: float = 2.0
+    rollout_correction_cap: float = 2.0  # tis: the largest importance weight a token's loss gets (>= 1)
 
 
 @dataclass
@@ -150,7 +150,7 @@ class DataConfig:
     task: str = field(default="grounding", metadata=shapes("data"))  # one task; or leave it and set `tasks` to mix several
     # a mixture {name: weight}; replaces `task` when set
     tasks: dict[str, float] = field(default_factory=dict, metadata=shapes("data"))
-    split: str = field(default="train", metadata=shapes("data"))
+    split: str = field(default="train", metadata=shapes("data"))  # the split of the data the run trains on
     source: str | None = field(default=None, metadata=shapes("data"))  # a local file in a format `task` loads; None = the embedded data
     # with `tasks`: {name: file}; unnamed tasks embedded
     sources: dict[str, str] = field(default_factory=dict, metadata=shapes("data"))
@@ -166,21 +166,23 @@ class TrainConfig:
     steps: int = 300  # optimizer steps (one rollout of prompts_per_step prompts each)
     prompts_per_step: int = field(default=16, metadata=shapes("data"))  # B; rows per step = B * K * M
     micro_batch_rows: int = 32  # answer rows per forward/backward
-    learning_rate: float = 2e-4
+    learning_rate: float = 2e-4  # the optimizer's learning rate (after warmup; see lr_schedule)
     optimizer: str = field(default="adamw", metadata=shapes("optimizer"))  # adamw, or sgd (plain, no momentum: used by the equivalence checks)
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
+    weight_decay: float = 0.0  # the optimizer's weight decay (AdamW: decoupled)
+    adam_beta1: float = 0.9  # AdamW's decay of its gradient average
+    adam_beta2: float = 0.99  # AdamW's decay of its squared-gradient average
+    lr_schedule: str = "constant"  # after the warmup: constant, linear (to 0 at train.steps) or cosine
+    warmup_steps: int = 0  # the learning rate rises linearly over this many first steps
     # clip the gradient's global norm to this; must be > 0 (0 would zero every update while the logged norm
     # looks normal). No "off" value: a large one (1e9) leaves the gradients as they are.
     max_grad_norm: float = 1.0
     seed: int = field(default=0, metadata=shapes("randomness"))  # 0 .. max_seed(steps), about 1.84e7: the sampling seeds must fit in 64 bits
     output_dir: str | None = None  # None: runs/<task>-<model> (default_output_dir), e.g. runs/grounding-tiny
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    num_threads: int = 0  # torch CPU threads; 0 = torch's default
+    checkpoint_every: int = 50  # a checkpoint every N steps, at the end, and when a run stops (Ctrl-C, SIGTERM, an error)
+    keep_checkpoints: int = 2  # the newest this many checkpoints are kept, older ones deleted
+    # torch's CPU threads in each process; 0 = torch's default (one per core). On a machine other jobs share, 1: a
+    # step went from 1.3 s to 35-54 s at two threads beside another run (a CPU run warns at start; docs/TUNING.md)
+    num_threads: int = 0
     mixed_precision: str = "no"  # "bf16": autocast through accelerate (GPU); weights stay in model.dtype
     eval_every: int = 100  # greedy evaluation on data.eval_split before step 1 and every N steps (0 = never)
     eval_samples: int = 100  # held-out samples per task in each evaluation
@@ -188,20 +190,20 @@ class TrainConfig:
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 1
+    log_every: int = 1  # a metrics.jsonl record every N steps (and at each evaluation and the last step)
     rollout_samples_per_step: int = 2  # rollouts dumped to rollouts.jsonl per step (and rows of the completions table)
     # Where the metrics also go (trackers.TRACKERS): tensorboard, wandb, mlflow, swanlab, trackio; [] or [none]:
     # metrics.jsonl only. All but tensorboard need `pip install -e .[trackers]`.
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     project: str = "vlm-grpo-ma"  # the trackers' project (MLflow: experiment)
     run_name: str | None = None  # None: the name of train.output_dir
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # the trackers' run tags
     # true: W&B and SwanLab in their offline modes, MLflow in a SQLite file of the run folder, trackio local; no
     # network. false: each library's own settings (WANDB_MODE, MLFLOW_TRACKING_URI, SWANLAB_MODE, ...).
     offline: bool = True
     rollout_every: int = 10  # a completions table to the trackers every N steps (0: never)
     eval_drawings: int = 4  # held-out images drawn per task at each evaluation (eval/step-N/draw/, and trackers)
-    progress_bar: bool = True
+    progress_bar: bool = True  # a progress bar on the terminal (the main process's)
 
 
 @dataclass

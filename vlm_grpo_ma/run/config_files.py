@@ -1,17 +1,23 @@
 """The config's files: a YAML config file read (``config_file_values``), dotted command-line overrides
 (``parse_override``), both merged over the defaults into a validated ``Config`` (``load_config``), and a run's
-``config.yaml`` written atomically (``save_config``) and checked for completeness on resume (``missing_settings``).
-The typed tree itself and its validation are ``run/config.py``."""
+``config.yaml`` written atomically (``save_config``) and checked for completeness on resume (``missing_settings``),
+and the whole tree with what each setting is (``describe_config``: ``--print-config``). The typed tree itself and
+its validation are ``run/config.py``."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import io
+import math
 import os
+import tokenize
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from vlm_grpo_ma.run import config as config_module
 from vlm_grpo_ma.run.config import Config, ConfigError, merge, validate
 
 
@@ -144,3 +150,44 @@ def write_atomically(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def setting_descriptions() -> dict[str, str]:
+    """``{"section.key": what it is}`` for every setting: the comments that document its field in run/config.py
+    (the comment lines right above it, then the comment on its own lines), joined into one line. Those comments
+    are the one place a setting is described; ``--print-config`` shows them, and a test holds every setting to
+    having one."""
+    source = Path(config_module.__file__).read_text(encoding="utf-8")
+    comments: dict[int, str] = {}  # line number -> comment text
+    comment_lines: set[int] = set()  # the lines that hold nothing but a comment
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+            if token.line.lstrip().startswith("#"):
+                comment_lines.add(token.start[0])
+    classes = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.ClassDef)}
+    descriptions = {}
+    for section in dataclasses.fields(Config):
+        for statement in classes[section.default_factory.__name__].body:
+            if not isinstance(statement, ast.AnnAssign):
+                continue
+            above, line = [], statement.lineno - 1
+            while line in comment_lines:
+                above.insert(0, comments[line])
+                line -= 1
+            own = [comments[n] for n in range(statement.lineno, statement.end_lineno + 1) if n in comments]
+            descriptions[f"{section.name}.{statement.target.id}"] = " ".join(above + own)
+    return descriptions
+
+
+def describe_config(cfg: Config) -> str:
+    """``cfg`` as a YAML file ``--config`` reads, each setting on one line with what it is as its comment
+    (``setting_descriptions``)."""
+    descriptions = setting_descriptions()
+    lines = ["# every setting (section.key=value on the command line), and what it is: the comments in run/config.py"]
+    for section, values in cfg.to_dict().items():
+        lines.append(f"{section}:")
+        for key, value in values.items():
+            shown = yaml.safe_dump(value, default_flow_style=True, width=math.inf).splitlines()[0]
+            lines.append(f"  {f'{key}: {shown}':<44}  # {descriptions[f'{section}.{key}']}")
+    return "\n".join(lines)

@@ -3,12 +3,41 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import Counter
 
 import torch
 
 from vlm_grpo_ma.run import sharding
 from vlm_grpo_ma.run.config import Config, ConfigError
+
+# The loggers whose warnings report a failure on one process alone: a reward that raised on its answers, a sample
+# of its share of the held-out set, a signal it received. The rest say what every process would say alike (a broken
+# training image is said by the main process, which learns every process's: loop.draw_prompts).
+OWN_LOGGERS = ("vlm_grpo_ma.run.rewards", "vlm_grpo_ma.evaluate", "vlm_grpo_ma.survive")
+
+
+def launch_rank() -> int:
+    """This process's rank in a launch (0 outside one), read from the launcher's environment (torchrun's RANK, or
+    MPI's) as accelerate reads it, so it is known before the process group exists: the command line's errors."""
+    from accelerate.utils.environment import get_cpu_distributed_information
+
+    return get_cpu_distributed_information().rank
+
+
+def quiet_other_processes(rank: int) -> None:
+    """Several processes say INFO and WARNING once, on the main process (rank 0): on every other process the
+    project's loggers pass errors only, except ``OWN_LOGGERS``, which pass warnings too (that process's own
+    failures), and transformers' logs and progress bars (loading the weights) are off. Nothing changes on rank 0."""
+    if rank == 0:
+        return
+    import transformers
+
+    logging.getLogger("vlm_grpo_ma").setLevel(logging.ERROR)
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def make_accelerator(cfg: Config):
@@ -43,15 +72,16 @@ def make_accelerator(cfg: Config):
 @contextlib.contextmanager
 def process_group_left_at_the_end():
     """Around a launched run's ``train()``: when it returns, or stops at a point every process reached
-    (``survive.together`` marks such errors ``stopped_together``), destroy the process group before the
-    interpreter exits. Left to interpreter teardown, gloo's worker threads are destroyed joinable now and then,
-    and the process aborts (SIGABRT, "terminate called without an active exception") instead of exiting with
-    the run's code. After an error on one process alone the group is left as it is: that process may have a
-    collective in flight, which destroying it could wait on."""
+    (``survive.together`` marks such errors ``stopped_together``), or on a ConfigError (a refusal of the
+    trainer's own checks, never raised inside a collective; at start every process meets it alike), destroy the
+    process group before the interpreter exits. Left to interpreter teardown, gloo's worker threads are
+    destroyed joinable now and then, and the process aborts (SIGABRT, "terminate called without an active
+    exception") instead of exiting with the run's code. After another error on one process alone the group is
+    left as it is: that process may have a collective in flight, which destroying it could wait on."""
     try:
         yield
     except BaseException as error:
-        if getattr(error, "stopped_together", False):
+        if getattr(error, "stopped_together", False) or isinstance(error, ConfigError):
             _destroy_process_group()
         raise
     _destroy_process_group()

@@ -40,8 +40,14 @@ from vlm_grpo_ma.task_api.videos import VideoLoadError
 log = logging.getLogger("vlm_grpo_ma.train")
 # Steps in a row whose every group had equal rewards (no advantage, nothing trains) before the run says so.
 NO_SIGNAL_PATIENCE = 3
-_said_broken: set[str] = set()  # the image and video errors already warned about (encode_candidates)
-NO_SIGNAL_HELP = "the model may not solve this task yet: see docs/TASKS.md, 'Will my task learn?'"
+_said_broken: set[str] = set()  # the image and video errors already warned about (draw_prompts)
+
+
+def no_signal_help(cfg: Config) -> str:
+    """What a run without learning signal says to do: the guide, and the supervised warm start of its task(s)."""
+    modules = "".join(f" --task-module {module}" for module in cfg.data.task_modules)
+    commands = " or ".join(f"python -m vlm_grpo_ma.warmstart --task {name}{modules}" for name in cfg.task_weights)
+    return f"the model may not solve this task yet: see docs/TASKS.md, 'Will my task learn?', or warm-start it on its data: {commands}"
 
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
@@ -75,7 +81,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
                 log.warning(
                     "no learning signal: all %d groups had equal rewards in each of the last %d steps, so every"
                     " advantage is 0 and nothing trains; %s", cfg.train.prompts_per_step, steps_in_a_row_without_signal,
-                    NO_SIGNAL_HELP,
+                    no_signal_help(cfg),
                 )  # fmt: skip
             with survive.together(accelerator):  # a non-finite input on any process stops every process here
                 thought_adv, answer_adv = compute_advantages(
@@ -131,7 +137,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     summary = write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
     if counters["steps_without_signal"] and accelerator.is_main_process:
         print(f"no learning signal in {counters['steps_without_signal']} of {step} steps (every group's rewards"
-              f" equal, so nothing trained in those steps); {NO_SIGNAL_HELP}", flush=True)  # fmt: skip
+              f" equal, so nothing trained in those steps); {no_signal_help(cfg)}", flush=True)  # fmt: skip
     return summary
 
 
@@ -270,8 +276,14 @@ def draw_prompts(
         encoded: dict[int, EncodedPrompt] = {}  # candidate -> its prompt, for the candidates of this share
         check = functools.partial(encode_candidates, candidates, [found + j in mine for j in range(len(candidates))], encode, encoded)
         failed = {j: why for part in exchange(check) for j, why in part.items()}
-        for counter, _ in failed.values():
+        for counter, why, error in failed.values():
             counters[counter] += 1
+            # Warned once per broken file (the error names it), not at each epoch's draw; counted each time. Every
+            # process learns every process's failures here, so the main process names them all (the others' logs
+            # are quiet: distributed.quiet_other_processes).
+            if error not in _said_broken:
+                _said_broken.add(error)
+                log.warning("%s", why)
         skipped += len(failed)
         if failed and attempts > 10 * count + 100:
             raise ConfigError(f"too many unreadable images or videos in a row; check data.source ({next(iter(failed.values()))[1]})")
@@ -292,9 +304,9 @@ def draw_prompts(
     return samples, [prompts.get(slot) for slot in range(count)]
 
 
-def encode_candidates(candidates: list, is_mine: list[bool], encode, encoded: dict) -> dict[int, tuple[str, str]]:
+def encode_candidates(candidates: list, is_mine: list[bool], encode, encoded: dict) -> dict[int, tuple[str, str, str]]:
     """Encode the candidates ``j`` with ``is_mine[j]`` into ``encoded[j]``; returns {j: (the counter it adds
-    to, why)} for those that do not load."""
+    to, why, the error)} for those that do not load."""
     failures = {}
     for j, sample in enumerate(candidates):
         if is_mine[j]:
@@ -302,11 +314,7 @@ def encode_candidates(candidates: list, is_mine: list[bool], encode, encoded: di
                 encoded[j] = encode(sample)
             except ImageLoadError as error:
                 counter = "skipped_broken_videos" if isinstance(error, VideoLoadError) else "skipped_broken_images"
-                failures[j] = (counter, f"skipping sample {sample.id}: {error}")
-                # Warned once per broken file (the error names it), not at each epoch's draw; counted each time.
-                if str(error) not in _said_broken:
-                    _said_broken.add(str(error))
-                    log.warning("%s", failures[j][1])
+                failures[j] = (counter, f"skipping sample {sample.id}: {error}", str(error))
     return failures
 
 

@@ -144,21 +144,26 @@ def summarize(records: list[dict], keys: tuple[str, ...] = ("reward/mean", "rewa
     return summary
 
 
+def _shown(value, spec: str = ".4f") -> str:
+    """A summary figure, or "n/a" where there is none: a spread of a fifth of one step, an evaluation figure that
+    no sample had (None in metrics.jsonl)."""
+    return "n/a" if value is None or not math.isfinite(value) else format(value, spec)
+
+
 def format_summary(summary: dict) -> str:
     lines = [f"summary over {summary['steps']} steps (fifths of {summary['steps_per_fifth']} steps):"]
     for key, value in summary.items():
         if isinstance(value, dict) and "first_fifth" in value:
             lines.append(
-                f"  {key:<14} first fifth {value['first_fifth']:.4f}   last fifth {value['last_fifth']:.4f}"
-                f"   gain {value['gain']:+.4f} (standard error {value['gain_standard_error']:.4f})"
-                f"   step-to-step std {value['step_noise_std']:.4f}"
+                f"  {key:<14} first fifth {_shown(value['first_fifth'])}   last fifth {_shown(value['last_fifth'])}"
+                f"   gain {_shown(value['gain'], '+.4f')} (standard error {_shown(value['gain_standard_error'])})"
+                f"   step-to-step std {_shown(value['step_noise_std'])}"
             )
     for key, value in summary.get("eval", {}).items():
         if key.split("/")[-1] in ("prompts", "answers", "errors"):
             continue
-        first = value["first_value"]
         lines.append(
-            f"  {key:<30} step {value['first_step']}: {first if first is None else f'{first:.4f}'}"
-            f"   step {value['step']}: {value['value']:.4f}"
+            f"  {key:<30} step {value['first_step']}: {_shown(value['first_value'])}"
+            f"   step {value['step']}: {_shown(value['value'])}"
         )
     return "\n".join(lines)

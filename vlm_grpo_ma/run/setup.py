@@ -27,7 +27,7 @@ from vlm_grpo_ma.run import sharding, survive
 from vlm_grpo_ma.run.batch import TrainBatch
 from vlm_grpo_ma.run.config import Config, ConfigError, check_video_max_pixels
 from vlm_grpo_ma.run.config_files import save_config
-from vlm_grpo_ma.run.distributed import main_process_value, make_accelerator
+from vlm_grpo_ma.run.distributed import main_process_value, make_accelerator, quiet_other_processes
 from vlm_grpo_ma.run.held_out import load_eval_sets
 from vlm_grpo_ma.run.memory_model import tree_too_large
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
@@ -97,6 +97,11 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     accelerator = make_accelerator(cfg)
+    quiet_other_processes(accelerator.process_index)  # INFO and WARNING from the main process only
+    if accelerator.is_main_process and accelerator.device.type == "cpu" and hasattr(os, "getloadavg"):
+        busy = busy_machine_warning(os.getloadavg()[0], os.cpu_count() or 1, torch.get_num_threads(), processes_on_this_machine())
+        if busy is not None:
+            log.warning("%s", busy)
     num_processes = accelerator.num_processes
     check_engine(cfg, num_processes)  # vllm missing, not importing, or a TP size off the launch: stop before anything loads
     if cfg.model.lora_rank > 0:  # LoRA targets the model's decoder does not have: stop before anything loads
@@ -107,16 +112,17 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     check_tree_fits(cfg, accelerator)  # a K x M the memory model says cannot fit: stop before anything loads
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"train.output_dir={run_dir} is a file, not a folder; choose another --output-dir")
-    under_a_file = next((folder for folder in run_dir.parents if folder.exists() and not folder.is_dir()), None)
-    if under_a_file is not None:  # mkdir would raise NotADirectoryError
-        raise ConfigError(f"train.output_dir={run_dir} is under {under_a_file}, a file, not a folder; choose another --output-dir")
-    if resume:
-        check_resumable(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with survive.together(accelerator):  # the main process holds the folder; a refusal stops every process
-        run_lock = hold_run_dir(run_dir) if accelerator.is_main_process else None
+    # A refusal stops every process at this point together, and the main process says it (cli.say_error): one line
+    with survive.together(accelerator):
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ConfigError(f"train.output_dir={run_dir} is a file, not a folder; choose another --output-dir")
+        under_a_file = next((folder for folder in run_dir.parents if folder.exists() and not folder.is_dir()), None)
+        if under_a_file is not None:  # mkdir would raise NotADirectoryError
+            raise ConfigError(f"train.output_dir={run_dir} is under {under_a_file}, a file, not a folder; choose another --output-dir")
+        if resume:
+            check_resumable(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run_lock = hold_run_dir(run_dir) if accelerator.is_main_process else None  # the main process holds the folder
     try:
         return _build_run(cfg, accelerator, run_dir, run_lock, resume=resume, overwrite=overwrite)
     except BaseException:
@@ -125,13 +131,35 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
         raise
 
 
+def processes_on_this_machine() -> int:
+    """The processes of this run on this machine (``LOCAL_WORLD_SIZE``, which the launchers set; 1 unlaunched)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def device_memory_bytes(device: torch.device) -> int:
     """The memory one process of a run has: its GPU's, or on a CPU the host's shared by the processes of this
-    machine (``LOCAL_WORLD_SIZE``, which the launchers set)."""
+    machine (``processes_on_this_machine``)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return host // processes_on_this_machine()
+
+
+# Torch's intra-op threads wait on each other at every operation, so one descheduled thread stalls the rest: on 2
+# cores beside another run a step of the default run went from ~1.3 s to 35-54 s at 2 threads (10-25x, where a
+# fair share is 2-3x), while runs at one thread each kept to their share (docs/TUNING.md, "Threads").
+def busy_machine_warning(load_1min: float, cores: int, threads: int, processes: int = 1) -> str | None:
+    """What a CPU run says at start when its torch threads (``threads`` in each of ``processes`` processes on this
+    machine) would share cores with work already running: the 1-minute load average plus the run's threads come to
+    at least one more than the ``cores``. None when they fit, and at one thread a process (which takes only its
+    share however busy the machine is)."""
+    if threads <= 1 or load_1min + threads * processes < cores + 1:
+        return None
+    return (
+        f"this machine is busy (1-minute load average {load_1min:.1f} on {cores} cores) and the run adds"
+        f" {threads * processes} torch threads ({threads} a process): a thread descheduled stalls the others at every"
+        " operation, and steps can take 10-25x their time; set train.num_threads=1 (docs/TUNING.md, \"Threads\")"
+    )
 
 
 def check_tree_fits(cfg: Config, accelerator, videos_per_prompt: int = 0) -> None:
@@ -162,7 +190,8 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
         stamp = main_process_value(accelerator, (run_dir / LOCK_FILE).read_text(encoding="utf-8") if is_main else None)
         with survive.together(accelerator):
             check_shared_folder(run_dir, stamp)
-    claim_run_dir(run_dir, resume=resume, overwrite=overwrite, delete=is_main)
+    with survive.together(accelerator):  # "already holds a run": every process stops here, the main one says it
+        claim_run_dir(run_dir, resume=resume, overwrite=overwrite, delete=is_main)
     accelerator.wait_for_everyone()
 
     with count_load_skips() as load_skips:  # rows dropped at load (an unreadable image), counted below

@@ -115,8 +115,8 @@ def together(accelerator, *, act_on_signals: bool = True):
 def agree(accelerator, error: Exception | None, *, act_on_signals: bool = True) -> None:
     """Every process calls this at the same point. Raises on every process when any process brings an error
     (the failing process re-raises its own; the others ``StoppedByAnotherProcess`` with its message) or, with
-    ``act_on_signals``, has a stop signal pending (``Terminated`` / ``Interrupted`` everywhere). Each raised
-    error is marked ``stopped_together``."""
+    ``act_on_signals``, has a stop signal pending (``Terminated`` / ``Interrupted`` everywhere; each process
+    logs which process received it). Each raised error is marked ``stopped_together``."""
     if accelerator.num_processes == 1:
         if error is not None:
             raise error
@@ -130,10 +130,9 @@ def agree(accelerator, error: Exception | None, *, act_on_signals: bool = True) 
 
     messages = gather_object([None if error is None else f"{type(error).__name__}: {error}"])
     failed = [rank for rank, (s, _) in enumerate(states) if s == 2]
-    if failed:
+    if failed:  # not logged: the errors raised say it, and the CLI prints it once (run/cli.py, say_error)
         first = failed[0]
         message = f"process {first} stopped the run: {messages[first]}"
-        log.error("stopping every process: %s", message)
         stop = error if accelerator.process_index == first else StoppedByAnotherProcess(message)
     else:
         first, signum = next((rank, sig) for rank, (s, sig) in enumerate(states) if s == 1)
