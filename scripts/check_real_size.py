@@ -216,7 +216,7 @@ def check_model(name: str, arch: architectures.Architecture, work: Path, env: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph: a whole sentence
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), help=f"keys of ARCHITECTURES (default: {' '.join(DEFAULT_MODELS)})")
     parser.add_argument("--shrunk", action="store_true", help="shrunk copies of the same families (the script's own check, seconds)")
     parser.add_argument("--work-dir", type=Path, help="where the models, runs and logs go (kept); default: a temporary folder, removed")

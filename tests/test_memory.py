@@ -67,7 +67,7 @@ def test_shrunk_copy_keeps_the_family_structure(name, tokenizer):
     assert parameter_counts(arch).total == architectures.count_parameters(model)
     assert model.config.text_config.vocab_size == ARCHITECTURES[name].text["vocab_size"]
     assert model.config.model_type == ARCHITECTURES[name].family
-    if arch.family in architectures.QWEN3_5_FAMILIES:  # the hybrid pattern, within vLLM-CPU's limits (FIELD-NOTES: head_dim 16 and linear heads of 32 refused)
+    if arch.family in architectures.QWEN3_5_FAMILIES:  # the hybrid pattern, within vLLM-CPU's limits (head_dim 16 and linear heads of 32 refused: architectures.shrunk)
         text = model.config.text_config
         assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
         assert (text.head_dim, text.linear_key_head_dim, text.linear_value_head_dim) == (32, 128, 128)
@@ -488,6 +488,22 @@ def test_check_real_size_runs_on_a_shrunk_copy(tmp_path):
     assert "9,941,280 parameters (shrunk copy; hand count 9,941,280)" in out
     assert "2 steps + checkpoint: exit code 0" in out and "resume, step 3: exit code 0" in out
     assert "checkpoints: step-000003" in out and "all checks passed" in out
+
+
+def test_check_real_size_help_describes_the_script_in_whole_sentences(capsys):
+    """``--help`` opens with the docstring's first paragraph, not its first line (which stopped mid-sentence)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_real_size", ROOT / "scripts" / "check_real_size.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as stop:
+        script.main(["--help"])
+    assert stop.value.code == 0
+    description = capsys.readouterr().out.split("\n\n")[1]  # after the usage lines
+    first_paragraph = script.__doc__.split("\n\n")[0]
+    assert " ".join(description.split()) == " ".join(first_paragraph.split())
+    assert description.rstrip().endswith("random weights in bf16.")
 
 
 # ----------------------------------------------------------------------------------------------------------

