@@ -132,3 +132,69 @@ def test_one_video_flag_replaces_only_its_key_of_the_runs_budget_and_a_resume_ke
         " --output-dir, or delete that folder to start it again\n"
     )
     assert evaluate.main([*args, "--video-fps", "4"]) == 0
+
+
+def test_the_evaluate_command_refuses_a_video_budget_under_one_vision_token(tmp_path, capsys):
+    """783 pixels hold no 28x28 token: refused at once, naming the flag. Planted: the old `< 1` check -> the
+    evaluation ran (every clip skipped by the resize's assert) and exited 0; failed here."""
+    _register(tmp_path / "clips")
+    args = ["--models", "tiny", "--tasks", TASK_NAME, "--max-thought-tokens", "2", "--max-answer-tokens", "2",
+            "--draw", "0", "--video-max-pixels", "783", "--output-dir", str(tmp_path / "e"), "--no-progress"]
+    assert evaluate.main(args) == 2
+    assert "error: --video-max-pixels=783 must be >= 784, one vision token (28x28 pixels)" in capsys.readouterr().err
+
+
+def test_a_budget_under_the_loaded_models_vision_token_is_refused_before_its_first_clip(tmp_path):
+    """900 pixels pass the smallest family's token (28x28) but not a 32x32 one: refused once the model (a
+    stand-in with that patch factor) is loaded, before any sample is scored. Planted: no check after the
+    load -> evaluate_task ran on the stand-in and raised AttributeError; failed here."""
+    import pytest
+
+    from vlm_grpo_ma.run.config import ConfigError
+    from vlm_grpo_ma.run.evaluation import EvalSettings
+
+    class Loaded:  # what evaluate_models reads of a loaded model before scoring
+        patch_factor = 32
+
+    _register(tmp_path / "clips")
+    with pytest.raises(ConfigError, match=r"--video-max-pixels=900 must be >= 1024, one vision token \(32x32 pixels on m\)"):
+        evaluate.evaluate_models(
+            [evaluate.ModelSpec("m", "m")], [TASK_NAME], split="test", sources={}, settings=EvalSettings(),
+            output_dir=tmp_path / "e", limit=None, batch_size=1, draw=0, progress=False,
+            load=lambda *a, **k: Loaded(), video_overrides={"max_pixels": 900},
+        )  # fmt: skip
+
+
+def test_a_runs_damaged_config_is_one_line_naming_it(tmp_path):
+    """A run's config.yaml is read as --resume reads it. Planted: the old yaml.safe_load reader -> a ScannerError,
+    an AttributeError, a ValueError naming no file, and silent defaults for the empty and key-less files; each
+    failed here."""
+    import pytest
+
+    from vlm_grpo_ma.run.config import ConfigError
+    from vlm_grpo_ma.run.config_files import load_config, save_config
+
+    save_config(load_config(None, []), tmp_path / "good.yaml")
+    good = (tmp_path / "good.yaml").read_text()
+    cases = {
+        "cut": (good[: good.index("rollout:")] + "rollout:\n  num_thoughts: 'fo", "not valid YAML"),  # mid-quote
+        "model list": ("model: [1]\n", "model"),
+        "fps word": (good.replace("video_fps: 2.0", "video_fps: fast"), "video_fps"),
+        "empty": ("", "empty"),
+        "key-less": ("model: {}\n", "lacks"),
+    }
+    for name, (text, reason) in cases.items():
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(text)
+        with pytest.raises(ConfigError) as error:
+            evaluate.run_video_budget(run)
+        message = str(error.value)
+        assert message.startswith(f"run {run}: its {run / 'config.yaml'}: ") and reason in message, (name, message)
+
+
+def test_an_output_dir_the_os_refuses_is_one_line_naming_it_and_the_reason(tmp_path, capsys):
+    """mkdir under /proc printed `error: 2` (an OSError's first arg is its errno). Planted: the OS's error
+    printed as args[0]; `error: 2`."""
+    assert evaluate.main(["--limit", "1", "--draw", "0", "--output-dir", "/proc/self/h11-eval", "--no-progress"]) == 2
+    assert capsys.readouterr().err.endswith("error: /proc/self/h11-eval: No such file or directory\n")

@@ -301,3 +301,28 @@ def test_other_processes_log_errors_and_their_own_failures_only():
         transformers.utils.logging.set_verbosity(verbosity)
         if bars:
             transformers.utils.logging.enable_progress_bar()
+
+
+def test_an_empty_output_dir_is_refused_not_replaced_by_the_default(tmp_path, untrained_tiny_dir, monkeypatch, capsys):
+    """``--output-dir ""`` ran in runs/<task>-<model>. Planted: cli's `if args.output_dir:` (and no empty check in
+    validate) -> the run trained in the default folder and exited 0."""
+    monkeypatch.chdir(tmp_path)  # where the default folder would be
+    assert cli.main(["--output-dir", "", f"model.name_or_path={untrained_tiny_dir}", *TINY_RUN]) == 2
+    default = f"runs/grounding-{untrained_tiny_dir.name}"
+    assert capsys.readouterr().err == f"error: train.output_dir='' is empty: name a folder, or leave it unset for {default}\n"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_folder_whose_weights_are_cut_short_is_one_line(tmp_path, untrained_tiny_dir, capsys):
+    """A *.safetensors cut to 1000 bytes gave safetensors' header traceback from the model's load. Planted:
+    _check_model_folder without the header check; that traceback (after the data loaded)."""
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(untrained_tiny_dir, cut)
+    (weights,) = cut.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert cli.main(["--output-dir", str(tmp_path / "run"), f"model.name_or_path={cut}", *TINY_RUN]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: model.name_or_path {str(cut)!r}: {weights} does not load (") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made

@@ -192,6 +192,50 @@ def test_a_lock_that_is_a_folder_a_link_or_unwritable_is_one_line(tmp_path, monk
     hold_run_dir(tmp_path / "c").close()
 
 
+def test_a_lock_that_is_a_fifo_is_one_line(tmp_path):
+    """A FIFO .run.lock opened, then io.UnsupportedOperation at its seek. Planted: the plain-file check removed;
+    that traceback."""
+    (tmp_path / "f").mkdir()
+    os.mkfifo(tmp_path / "f" / LOCK_FILE)
+    with pytest.raises(ConfigError, match=rf"^train.output_dir={tmp_path / 'f'}: its {LOCK_FILE} is not a plain file"):
+        hold_run_dir(tmp_path / "f")
+
+
+def test_an_output_dir_the_os_refuses_is_one_line_naming_it_and_the_reason(tmp_path, untrained_tiny_dir, capsys, monkeypatch):
+    """A folder name too long (even to look at), one under /proc, and one whose parent is not writable raised
+    OSError, FileNotFoundError and PermissionError tracebacks. Planted: the except around the folder's checks
+    and mkdir removed; each of those tracebacks."""
+    long_name = tmp_path / ("a" * 300) / "sub"
+    unwritable = tmp_path / "ro" / "sub"
+    real_mkdir = os.mkdir
+
+    def read_only(path, *args, **kwargs):  # this test runs as root, whom a read-only folder does not stop
+        if Path(path).parent == tmp_path / "ro":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    cases = [(long_name, "File name too long"), (Path("/proc/self/h11-run"), "No such file or directory"), (unwritable, "Permission denied")]
+    for run, reason in cases:
+        assert cli.main(["--output-dir", str(run), f"model.name_or_path={untrained_tiny_dir}", *TINY_RUN]) == 2
+        assert _one_line_error(capsys) == f"error: train.output_dir={run}: cannot create or read it ({reason}); choose another --output-dir\n"
+
+
+def test_a_run_folder_whose_config_cannot_be_written_is_one_line(tmp_path, untrained_tiny_dir, capsys, monkeypatch):
+    """The lock written (it was there already), but not the .config.yaml.tmp beside it: a PermissionError
+    traceback from write_atomically. Planted: the except around save_config removed; that traceback."""
+    from vlm_grpo_ma.run import config_files
+
+    run = tmp_path / "run"
+
+    def read_only(path, *args, **kwargs):  # the folder refuses new files (root is not stopped by its mode)
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(config_files, "open", read_only, raising=False)  # write_atomically's open
+    assert cli.main(["--output-dir", str(run), f"model.name_or_path={untrained_tiny_dir}", *TINY_RUN]) == 2
+    assert _one_line_error(capsys) == f"error: train.output_dir={run}: cannot write its config.yaml (Permission denied); choose another --output-dir\n"
+
+
 def test_an_output_dir_under_a_file_is_one_line(tmp_path, untrained_tiny_dir, capsys):
     """``--output-dir some_file/run`` raised NotADirectoryError. Planted: the check removed; the traceback."""
     (tmp_path / "some_file").write_text("x")

@@ -73,6 +73,14 @@ def test_frames_the_resize_rule_refuses_are_a_video_load_error_naming_the_video_
         assert name in message and size in message, message
 
 
+def test_a_budget_under_one_vision_token_is_a_video_load_error_not_an_assert(tmp_path):
+    """qwen-vl-utils' smart_resize asserts max_pixels >= factor x factor; 1000 pixels hold no 32x32 token.
+    Planted: AssertionError left out of _Fitter._target's except -> the AssertionError escaped; failed here."""
+    clip = str(write_clip(tmp_path / "clip.mp4", frames=4, width=56, height=56))
+    with pytest.raises(VideoLoadError, match="clip.mp4.*56x56"):
+        decode_video(clip, VideoBudget(max_pixels=1000), factor=32)
+
+
 def test_a_stream_that_changes_size_is_resized_to_its_first_frames_size(tmp_path):
     """4 frames of 56x56 then 4 of 112x84 in one raw stream: every frame comes out 56x56 (the first frame's
     size), the later ones scaled from their own. Planted: each frame resized to its own target size -> frames of

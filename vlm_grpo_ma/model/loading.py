@@ -159,8 +159,9 @@ def _is_hub_id(name: str) -> bool:
 def _check_model_folder(folder: Path, what: str) -> None:
     """FileNotFoundError or ValueError of one line, starting with ``what``, when ``folder`` is no model folder
     that transformers (or peft, with ``adapter_config.json``) loads: its config is missing or no JSON object, its
-    model_type no supported family, or it holds no weights. Read from file names and the config only, so a
-    broken folder is refused before anything loads, not by transformers in a many-line error."""
+    model_type no supported family, or it holds no weights or a ``*.safetensors`` whose header does not read. Read
+    from file names, the config and the weights' headers only, so a broken folder is refused before anything
+    loads, not by transformers in a many-line error."""
     config_file = folder / ("adapter_config.json" if (folder / "adapter_config.json").is_file() else "config.json")
     if not config_file.is_file():
         raise FileNotFoundError(
@@ -180,6 +181,23 @@ def _check_model_folder(folder: Path, what: str) -> None:
             raise ValueError(f"{what}: {config_file}: {error}") from None
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*model*.bin")):
         raise FileNotFoundError(f"{what}: {folder} holds no weights (no *.safetensors or *model*.bin file)")
+    problem = unreadable_weights(folder)  # a weights file cut short (a killed copy or download)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}")
+
+
+def unreadable_weights(folder: Path) -> str | None:
+    """What is wrong with the first ``*.safetensors`` file of ``folder`` whose header does not read (naming it),
+    or None: read in milliseconds, so a file cut short is refused before the model's load, not in it."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as error:  # noqa: BLE001 - SafetensorError, OSError ...: the file does not load
+            return f"{file} does not load ({type(error).__name__}: {error})"
+    return None
 
 
 def _hub_problem(repo_id: str) -> str | None:

@@ -126,12 +126,10 @@ def load_resumable_state(path: Path) -> dict:
 
 def check_weight_files(model_folder: Path) -> None:
     """CheckpointLoadError naming the first ``*.safetensors`` file of ``model_folder`` whose header does not
-    read: a file cut short (a full disk, a killed copy) fails here in milliseconds, not in the model's load."""
-    from safetensors import safe_open
+    read (``loading.unreadable_weights``, the check every model folder gets): a file cut short (a full disk, a
+    killed copy) fails here in milliseconds, not in the model's load."""
+    from vlm_grpo_ma.model.loading import unreadable_weights
 
-    for file in sorted(Path(model_folder).glob("*.safetensors")):
-        try:
-            with safe_open(str(file), "pt"):
-                pass
-        except Exception as error:  # noqa: BLE001 - SafetensorError, OSError ...: the file does not load
-            raise CheckpointLoadError(f"{file} does not load ({type(error).__name__}: {error})") from error
+    problem = unreadable_weights(Path(model_folder))
+    if problem is not None:
+        raise CheckpointLoadError(problem)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.task:
         overrides.append(f"data.task={args.task}")
-    if args.output_dir:
+    if args.output_dir is not None:  # "" too: validate refuses it, rather than the default folder taking its place
         overrides.append(f"train.output_dir={args.output_dir}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rank = launch_rank()

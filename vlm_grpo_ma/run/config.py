@@ -358,13 +358,15 @@ def default_output_dir(cfg: Config) -> str:
 SMALLEST_PATCH_FACTOR = 28
 
 
-def check_video_max_pixels(cfg: Config, factor: int = SMALLEST_PATCH_FACTOR, model: str | None = None) -> None:
-    """ConfigError when ``model.video_max_pixels`` is below one vision token of ``factor`` x ``factor`` pixels:
-    no frame fits, and the first video would fail mid-run. ``validate`` checks the smallest factor; the run,
-    once its model is loaded, that model's own (``model``: its name in the message)."""
-    if cfg.model.video_max_pixels < factor * factor:
+def check_video_max_pixels(
+    video_max_pixels: int, factor: int = SMALLEST_PATCH_FACTOR, model: str | None = None, key: str = "model.video_max_pixels"
+) -> None:
+    """ConfigError when ``video_max_pixels`` (``key``: its name in the message) is below one vision token of
+    ``factor`` x ``factor`` pixels: no frame fits, and the first video would fail mid-run. ``validate`` checks the
+    smallest factor; the run and ``evaluate``, once a model is loaded, that model's own (``model``: its name)."""
+    if video_max_pixels < factor * factor:
         raise ConfigError(
-            f"model.video_max_pixels={cfg.model.video_max_pixels} must be >= {factor * factor}, one vision token"
+            f"{key}={video_max_pixels} must be >= {factor * factor}, one vision token"
             f" ({factor}x{factor} pixels{f' on {model}' if model else ''}): each video frame is resized to whole"
             " tokens, and a smaller budget holds none"
         )
@@ -408,7 +410,7 @@ def validate(cfg: Config) -> Config:
         )
     if None not in (cfg.model.min_pixels, cfg.model.max_pixels) and cfg.model.min_pixels > cfg.model.max_pixels:
         raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} must be <= model.max_pixels={cfg.model.max_pixels}")
-    check_video_max_pixels(cfg)
+    check_video_max_pixels(cfg.model.video_max_pixels)
     if cfg.model.video_max_frames < 2:  # the vision tower takes frames in pairs (its temporal patch)
         raise ConfigError(f"model.video_max_frames={cfg.model.video_max_frames} must be >= 2")
     draws = 1 + cfg.algorithm.dynamic_sampling_max_draws if cfg.algorithm.dynamic_sampling else 1
@@ -489,6 +491,10 @@ def validate(cfg: Config) -> Config:
     for name, weight in cfg.data.reward_weights.items():
         if not isinstance(weight, (int, float)):
             raise ConfigError(f"data.reward_weights.{name}={weight!r} must be a number")
+    if cfg.train.output_dir is not None and not cfg.train.output_dir.strip():
+        raise ConfigError(
+            f"train.output_dir={cfg.train.output_dir!r} is empty: name a folder, or leave it unset for {default_output_dir(cfg)}"
+        )
     if cfg.train.output_dir is None:
         cfg.train.output_dir = default_output_dir(cfg)
     return cfg

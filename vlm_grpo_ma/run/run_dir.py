@@ -39,6 +39,12 @@ def outputs_in(run_dir: Path) -> list[str]:
     return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
 
 
+def folder_refused(run_dir: Path, what: str, error: OSError) -> ConfigError:
+    """The one line for a run folder the operating system refuses (not writable, a name too long, under /proc
+    ...): the folder, what the run was doing, and the OS's reason."""
+    return ConfigError(f"train.output_dir={run_dir}: cannot {what} ({error.strerror or error}); choose another --output-dir")
+
+
 def hold_run_dir(run_dir: Path):
     """An exclusive lock on the run folder, held until the returned file is closed or the process ends (the
     operating system releases it however the process ends: no stale lock after a crash). Another process
@@ -47,6 +53,7 @@ def hold_run_dir(run_dir: Path):
     import fcntl
     import os
     import socket
+    import stat
     import sys
 
     lock = run_dir / LOCK_FILE
@@ -62,6 +69,12 @@ def hold_run_dir(run_dir: Path):
             f"train.output_dir={run_dir}: cannot write its lock {lock} ({error.strerror}); a run needs a folder it"
             f" can write and {LOCK_FILE} a plain file in it: fix that, or choose another --output-dir"
         ) from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a FIFO or a device: no file to lock, seek and write
+        os.close(descriptor)
+        raise ConfigError(
+            f"train.output_dir={run_dir}: its {LOCK_FILE} is not a plain file (a FIFO or a device), and a run writes"
+            " its lock there; remove it, or choose another --output-dir"
+        )
     handle = os.fdopen(descriptor, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -156,8 +169,7 @@ def resumed_settings(cfg: Config, config_file: str | None, overrides: list[str],
     if not saved.is_file():
         return cfg
     try:
-        before = load_config(saved)  # first: a key no run of this trainer writes says whose file it is
-        check_saved_config(saved)
+        before = read_saved_config(saved)
         after = load_config(config_file, [*overrides, f"train.output_dir={run_dir}"], base=saved)
     except ConfigError as error:
         raise ConfigError(f"--resume: the run's own {saved}: {error}") from None
@@ -184,6 +196,14 @@ def resumed_settings(cfg: Config, config_file: str | None, overrides: list[str],
             "to change it anyway (recorded in config.yaml)"
         )
     return after
+
+
+def read_saved_config(saved: Path) -> Config:
+    """A saved run's settings: its ``config.yaml`` validated, then checked whole (``check_saved_config``);
+    ConfigError otherwise. How ``--resume`` and ``evaluate`` read a run's own settings."""
+    config = load_config(saved)  # first: a key no run of this trainer writes says whose file it is
+    check_saved_config(saved)
+    return config
 
 
 def check_saved_config(saved: Path) -> None:

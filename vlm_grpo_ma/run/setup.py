@@ -40,6 +40,7 @@ from vlm_grpo_ma.run.run_dir import (
     check_shared_folder,
     checkpoint_to_resume,
     claim_run_dir,
+    folder_refused,
     hold_run_dir,
     resume_history,
 )
@@ -114,14 +115,17 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
     run_dir = Path(cfg.train.output_dir)
     # A refusal stops every process at this point together, and the main process says it (cli.say_error): one line
     with survive.together(accelerator):
-        if run_dir.exists() and not run_dir.is_dir():
-            raise ConfigError(f"train.output_dir={run_dir} is a file, not a folder; choose another --output-dir")
-        under_a_file = next((folder for folder in run_dir.parents if folder.exists() and not folder.is_dir()), None)
-        if under_a_file is not None:  # mkdir would raise NotADirectoryError
-            raise ConfigError(f"train.output_dir={run_dir} is under {under_a_file}, a file, not a folder; choose another --output-dir")
-        if resume:
-            check_resumable(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if run_dir.exists() and not run_dir.is_dir():
+                raise ConfigError(f"train.output_dir={run_dir} is a file, not a folder; choose another --output-dir")
+            under_a_file = next((folder for folder in run_dir.parents if folder.exists() and not folder.is_dir()), None)
+            if under_a_file is not None:  # mkdir would raise NotADirectoryError
+                raise ConfigError(f"train.output_dir={run_dir} is under {under_a_file}, a file, not a folder; choose another --output-dir")
+            if resume:
+                check_resumable(run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # not writable, a name too long (even to look at), under /proc ...
+            raise folder_refused(run_dir, "create or read it", error) from None
         run_lock = hold_run_dir(run_dir) if accelerator.is_main_process else None  # the main process holds the folder
     try:
         return _build_run(cfg, accelerator, run_dir, run_lock, resume=resume, overwrite=overwrite)
@@ -251,8 +255,13 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
             spikes.load_state_dict(history_state["spikes"])
         log.info("resumed from %s at step %d", last, start_step)
 
+    with survive.together(accelerator):  # a folder the main process cannot write stops every process here
+        if accelerator.is_main_process:
+            try:
+                save_config(cfg, run_dir / CONFIG_FILE, history=resume_history(run_dir, cfg, start_step) if resume else [])
+            except OSError as error:  # its lock was writable (held since before), the folder is not
+                raise folder_refused(run_dir, f"write its {CONFIG_FILE}", error) from None
     if accelerator.is_main_process:
-        save_config(cfg, run_dir / CONFIG_FILE, history=resume_history(run_dir, cfg, start_step) if resume else [])
         drop_records_after(run_dir, start_step)  # a resumed run logs the steps after its checkpoint again
         log.info(
             "model %s (%s, %d parameters, attention %s, coordinate frame %s); tasks %s with %d samples; "
@@ -427,6 +436,6 @@ def load_training_policy(cfg: Config, last: Path | None, device) -> Policy:
     if cfg.model.gradient_checkpointing:
         policy.model.activation_checkpointing_enable()
     configure_trainable(policy, cfg)
-    check_video_max_pixels(cfg, policy.patch_factor, model_path)  # config.validate checked the smallest factor only
+    check_video_max_pixels(cfg.model.video_max_pixels, policy.patch_factor, model_path)  # config.validate checked the smallest factor only
     return policy
 

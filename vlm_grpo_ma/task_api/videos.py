@@ -155,7 +155,9 @@ class _Fitter:
         budget, factor = self.budget, self.factor
         try:
             new_height, new_width = smart_resize(height, width, factor=factor, min_pixels=factor * factor, max_pixels=budget.max_pixels)
-        except (ValueError, ZeroDivisionError) as error:  # qwen-vl-utils' limit: an aspect ratio of at most 200
+        # qwen-vl-utils' limits: an aspect ratio of at most 200 (ValueError), and max_pixels of at least one token
+        # (an assert: a budget under factor x factor, which config.check_video_max_pixels refuses at start)
+        except (ValueError, ZeroDivisionError, AssertionError) as error:
             raise VideoLoadError(f"video {self.where}: frames of {width}x{height} cannot be resized: {error}") from error
         if new_width <= 0 or new_height <= 0:  # a short side that rounds to nothing under max_pixels (8000x40)
             raise VideoLoadError(

@@ -3,7 +3,8 @@
 A model is ``tiny`` (the embedded default), a run directory (its latest checkpoint, or ``--step N``), a
 checkpoint folder (``.../checkpoints/step-NNNNNN``), or a Hugging Face id / local model folder. Each task is
 scored on its embedded held-out split or on a benchmark file (``--source TASK=FILE``, any format the task
-loads: RefCOCO parquet, ScienceQA, HumanEval ...), with the same parsers and rewards as training.
+loads: RefCOCO parquet, ScienceQA, HumanEval ...), with the same parsers and rewards as training. A task out of
+the tree is named as ``data.task_modules`` names it: ``--task-module path/to/task.py`` (or a dotted module).
 
 Decoding is greedy by default; ``--samples N`` samples N answers per prompt (each from its own thought) at
 ``--temperature`` and reports pass@k with the unbiased estimator. Per sample, the records go to a JSONL as
@@ -29,14 +30,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import yaml
 
 from vlm_grpo_ma.model.loading import Policy, checked_model_path, load_policy
 from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run import checkpoint as ckpt
-from vlm_grpo_ma.run.config import ModelConfig
+from vlm_grpo_ma.run.config import ConfigError, ModelConfig, check_video_max_pixels
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
-from vlm_grpo_ma.run.run_dir import CONFIG_FILE
+from vlm_grpo_ma.run.run_dir import CONFIG_FILE, read_saved_config
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules, load_samples
 from vlm_grpo_ma.task_api.videos import VideoBudget
 
@@ -55,17 +55,16 @@ class ModelSpec:
 
 
 def run_video_budget(run_dir: Path) -> VideoBudget | None:
-    """The video budget a run trained with (``model.video_*`` of its saved config.yaml), or None without one."""
+    """The video budget a run trained with (``model.video_*`` of its saved config.yaml), or None without one.
+    The file is read as ``--resume`` reads it (``run_dir.read_saved_config``): a damaged one is a ConfigError."""
     config = run_dir / CONFIG_FILE
     if not config.is_file():
         return None
-    model = (yaml.safe_load(config.read_text(encoding="utf-8")) or {}).get("model") or {}
-    defaults = ModelConfig()
-    return VideoBudget(
-        fps=float(model.get("video_fps", defaults.video_fps)),
-        max_frames=int(model.get("video_max_frames", defaults.video_max_frames)),
-        max_pixels=int(model.get("video_max_pixels", defaults.video_max_pixels)),
-    )
+    try:
+        model = read_saved_config(config).model
+    except ConfigError as error:
+        raise ConfigError(f"run {run_dir}: its {config}: {error}") from None
+    return VideoBudget(model.video_fps, model.video_max_frames, model.video_max_pixels)
 
 
 def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
@@ -98,17 +97,16 @@ def resolve_model(spec: str, step: int | None = None) -> ModelSpec:
         checkpoint = path if (path / "model").is_dir() and (path / "state.pt").is_file() else None
         if checkpoint is None and path.name == "model" and (path.parent / "state.pt").is_file():
             checkpoint = path.parent  # a checkpoint's model/ folder: its run's model all the same
-        if checkpoint is None:
-            checked_model_path(spec, "--models")  # no config.json, no weights ...: one line, before any model loads
-        model = checkpoint / "model" if checkpoint is not None else path
+        if checkpoint is None:  # no config.json, no weights, weights cut short ...: one line, before any model loads
+            checked_model_path(spec, "--models")
+            return ModelSpec(path.resolve().name, str(path))
+        model = checkpoint / "model"
         try:
             ckpt.check_weight_files(model)
         except ckpt.CheckpointLoadError as error:
             raise ValueError(str(error)) from None
-        if checkpoint is not None:
-            run_dir = checkpoint.resolve().parent.parent
-            return ModelSpec(f"{run_dir.name}@{checkpoint.name}", str(model), run_video_budget(run_dir))
-        return ModelSpec(path.resolve().name, str(path))
+        run_dir = checkpoint.resolve().parent.parent
+        return ModelSpec(f"{run_dir.name}@{checkpoint.name}", str(model), run_video_budget(run_dir))
     checked_model_path(spec, "--models")  # a mistyped folder or an unknown hub id: one line, at once
     return ModelSpec(spec.replace("/", "__"), spec)
 
@@ -194,6 +192,9 @@ def evaluate_models(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for model in models:
         policy = load(model.path, dtype=dtype, device=device, video_budget=budgets[model.label])
+        # a budget under one of this model's vision tokens holds no frame: refused before its first clip
+        key = "--video-max-pixels" if "max_pixels" in (video_overrides or {}) else f"{model.label}'s model.video_max_pixels"
+        check_video_max_pixels(budgets[model.label].max_pixels, policy.patch_factor, model.path, key)
         results[model.label] = {}
         for name, (task, samples) in data.items():
             bench = benches[name]
@@ -293,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         video_overrides = {key: value for key, value in chosen.items() if value is not None}
         if args.video_fps is not None and not args.video_fps > 0:
             raise ValueError(f"--video-fps={args.video_fps:g} must be positive")
-        if args.video_max_pixels is not None and args.video_max_pixels < 1:
-            raise ValueError(f"--video-max-pixels={args.video_max_pixels} must be positive")
+        if args.video_max_pixels is not None:  # at least one vision token of the smallest family's
+            check_video_max_pixels(args.video_max_pixels, key="--video-max-pixels")
         if args.video_max_frames is not None and args.video_max_frames < 2:  # the vision tower takes frames in pairs
             raise ValueError(f"--video-max-frames={args.video_max_frames} must be >= 2")
         settings = EvalSettings(
@@ -313,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, progress=not args.no_progress, video_overrides=video_overrides,
         )
     except (ValueError, KeyError, OSError) as error:  # bad arguments, unknown task, missing file or model
+        if isinstance(error, OSError) and error.strerror:  # the OS's own (args[0] is its errno): the path and why
+            print(f"error: {error.filename}: {error.strerror}", file=sys.stderr)
+            return 2
         print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
+        return 2
+    except ImportError as error:  # a --task-module named as a dotted module that is not on the path
+        print(f"error: --task-module: {error}", file=sys.stderr)
         return 2
     print(results_table(payload["results"]), end="")
     print(f"results: {output_dir / 'results.json'}")
