@@ -35,6 +35,20 @@ def tiny_qwen3_5_dir(tmp_path_factory):
     return save_tiny("qwen3_5", tmp_path_factory.mktemp("tiny-qwen3_5"))
 
 
+@pytest.fixture
+def fresh_registry(monkeypatch):
+    """The task registry as a process starts it, but with the built-in modules already imported (a second import
+    is a no-op, as in a real process that imported one before the first lookup); what a test registers is
+    forgotten after it."""
+    from vlm_grpo_ma.task_api import registry
+
+    registry.load_builtin_tasks()
+    monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))
+    monkeypatch.setattr(registry, "_SOURCES", dict(registry._SOURCES))
+    monkeypatch.setattr(registry, "_builtins_loaded", False)
+    monkeypatch.setattr(registry, "_IMPORTED_MODULES", list(registry._IMPORTED_MODULES))
+
+
 @pytest.fixture(scope="session")
 def tiny_policy(untrained_tiny_dir):
     from vlm_grpo_ma.model.loading import load_policy

@@ -16,17 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 BUILTIN = ("affordance", "code", "grounding", "math", "vqa")
 
 
-@pytest.fixture
-def fresh_registry(monkeypatch):
-    """The registry as a process starts it, but with the built-in modules already imported (a second import is
-    a no-op, as in a real process that imported one before the first lookup)."""
-    registry.load_builtin_tasks()
-    monkeypatch.setattr(registry, "_TASKS", dict(registry._TASKS))
-    monkeypatch.setattr(registry, "_SOURCES", dict(registry._SOURCES))
-    monkeypatch.setattr(registry, "_builtins_loaded", False)
-    monkeypatch.setattr(registry, "_IMPORTED_MODULES", list(registry._IMPORTED_MODULES))
-
-
 def install_dist(root: Path, dist: str, entry_points: dict[str, str], modules: dict[str, str], monkeypatch) -> None:
     """An installed third-party distribution without pip: ``{dist}-0.dist-info`` (METADATA, entry_points.txt)
     and its modules in ``root``, which goes on sys.path (where importlib.metadata looks)."""
@@ -240,3 +229,24 @@ def test_an_overlong_question_is_skipped_and_counted_at_load(fresh_registry, cap
         samples = registry.load_samples(task, "train")
     assert [s.id for s in samples] == ["fine"] and skipped["overlong_prompts"] == 1
     assert "skipping sample 'huge' of task 'long_q': its question has 1,000,000 characters, more than 100,000" in caplog.text
+
+
+def test_the_docs_example_task_draws_what_it_asks_and_its_target_scores_full_marks(monkeypatch, fresh_registry):
+    """docs/examples/largest_colour.py (the warm start walkthrough): its splits, the same scenes at every call, the
+    answer the colour with the most pixels in the picture (the large shape's), and Task.target a completion its
+    own reward pays in full. Planted: target naming the shape in the answer; this failed."""
+    from collections import Counter
+
+    monkeypatch.setitem(sys.modules, "user_task_largest_colour", None)
+    monkeypatch.delitem(sys.modules, "user_task_largest_colour")
+    import_task_modules([str(REPO / "docs" / "examples" / "largest_colour.py")])
+    task = get_task("largest_colour")
+    train, test = task.load("train"), task.load("test")
+    assert (len(train), len(test)) == (400, 100) and [s.answer for s in task.load("test")] == [s.answer for s in test]
+    colours = sys.modules["user_task_largest_colour"].COLOURS
+    for sample in train[:40]:
+        pixels = Counter(sample.images[0].get_flattened_data())
+        assert max(colours, key=lambda name: pixels[colours[name]]) == sample.answer
+        text = task.target(sample)
+        cut = text.index("</think>") + len("</think>")
+        assert task.reward(Completion(text[:cut], text[cut:]), sample) == {"accuracy": 1.0, "format": 1.0, "reward": 1.5}

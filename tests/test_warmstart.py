@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,3 +256,188 @@ def test_a_video_vision_step_trains_on_every_pair_of_frames(tiny_policy):
     loss.backward()
     assert heads.colour.weight.grad is not None and heads.colour.weight.grad.abs().sum() > 0
     tiny_policy.model.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Any registered task: the supervised cold start from its own training split (Task.target)
+
+TOY_TASK = '''
+from PIL import Image
+
+from vlm_grpo_ma.task_api import Sample, Task, extract_tag, register_task
+
+COLOURS = {{"red": (215, 40, 40), "blue": (40, 90, 215)}}
+
+
+def load(split="train", source=None):
+    names = sorted(COLOURS) * (4 if split == "train" else 1)
+    return [Sample("{name}", f"{{split}}-{{i}}", "What colour is it?", (Image.new("RGB", (56, 56), COLOURS[c]),), c)
+            for i, c in enumerate(names)]
+
+
+def reward(completion, sample):  # a bonus of 0.25 for any text: no other task's reward scores so
+    parts = {{"accuracy": float(extract_tag(completion.text, "answer") == sample.answer), "bonus": 0.25}}
+    return {{**parts, "reward": 2.0 * parts["accuracy"] + parts["bonus"]}}
+
+
+def target(sample):
+    return f"<think>it is {{sample.answer}}</think><answer>{{sample.answer}}</answer>"
+
+
+TASK = register_task(Task(name="{name}", load=load, reward=reward, instruction="Answer.", metrics=("accuracy",),
+                          reward_weights={{"accuracy": 2.0, "bonus": 1.0}}, target={target}))
+'''
+
+
+@pytest.fixture
+def toy_task(tmp_path, monkeypatch, fresh_registry):
+    """Writes an out-of-tree task file ``{name}.py`` (a colour-naming task on plain 56 px images, with ``target``
+    or without) and returns its path; the registry and the imported module are forgotten after the test."""
+
+    def write(name: str, *, with_target: bool = True) -> Path:
+        path = tmp_path / f"{name}.py"
+        path.write_text(TOY_TASK.format(name=name, target="target" if with_target else "None"))
+        monkeypatch.setitem(sys.modules, f"user_task_{name}", None)
+        monkeypatch.delitem(sys.modules, f"user_task_{name}")
+        return path
+
+    return write
+
+
+def test_a_task_without_target_is_refused_in_one_line_naming_it(toy_task, tmp_path, capsys):
+    """Planted: require_target removed; the warm start went on, every target failed, and it said so without
+    naming the function to add. This failed."""
+    from vlm_grpo_ma.tools.warmstart import main
+
+    path = toy_task("no_target", with_target=False)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--task", "no_target", "--task-module", str(path), "--out", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and error.count("\n") == 1
+    assert "task 'no_target' has no target" in error and "add target=... to its Task" in error
+    assert "target(sample) -> str" in error
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--vision-steps", "5"], "--vision-steps belong to the generated streams"),
+    (["--out", "{tmp}"], "exists and is not a warm start's folder (no warmstart.json)"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+])
+def test_bad_arguments_for_a_task_are_refused_in_one_line(toy_task, tmp_path, capsys, args, message):
+    from vlm_grpo_ma.tools.warmstart import main
+
+    path = toy_task("toy_args")
+    (tmp_path / "taken.txt").write_text("a run's file")
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    with pytest.raises(SystemExit):
+        main(["--task", "toy_args", "--task-module", str(path), "--out", str(tmp_path / "new"), *args])
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1
+
+
+def test_a_warm_start_learns_its_targets_and_scores_with_the_tasks_reward(toy_task, tmp_path, untrained_tiny_dir):
+    """The generic warm start on an out-of-tree task (--task-module, a .py file): the loss on the task's targets
+    falls, the output is a model folder load_policy takes, and warmstart.json's before and after are what
+    `evaluate --task-module` gives the starting and the written model with the task's own reward. Planted: (1)
+    the held-out scored with the grounding task's reward: failed; (2) the after-eval skipped (after = before):
+    failed."""
+    from vlm_grpo_ma.model.loading import load_policy
+    from vlm_grpo_ma.model.prompts import encode_prompt
+    from vlm_grpo_ma.task_api.registry import get_task
+    from vlm_grpo_ma.tools import evaluate
+    from vlm_grpo_ma.tools.warmstart import completion_loss, main
+
+    path, out, start = toy_task("toy_colour"), tmp_path / "warm", str(untrained_tiny_dir)
+    limits = ["--max-thought-tokens", "8", "--max-answer-tokens", "8"]
+    main(["--task", "toy_colour", "--task-module", str(path), "--model", start, "--out", str(out), "--steps", "20",
+          "--batch-size", "4", "--learning-rate", "3e-2", "--eval-samples", "2", "--threads", "1", *limits])  # fmt: skip
+    record = json.loads((out / "warmstart.json").read_text())
+    assert (record["steps"], record["train_samples"], record["eval_samples"]) == (20, 8, 2)
+
+    task = get_task("toy_colour")
+    train = task.load("train")
+
+    def target_loss(model: str) -> float:
+        policy = load_policy(model, attn_implementation="sdpa")
+        prompts = [encode_prompt(policy, s, task.instruction) for s in train]
+        with torch.no_grad():
+            return completion_loss(policy, prompts, [task.target(s) for s in train]).item()
+
+    assert target_loss(str(out)) < 0.2 * target_loss(start)
+
+    assert evaluate.main(["--models", start, str(out), "--tasks", "toy_colour", "--task-module", str(path),
+                          "--output-dir", str(tmp_path / "eval"), "--no-progress", *limits]) == 0  # fmt: skip
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]
+    before, after = (scores["toy_colour-test"] for scores in results.values())
+    assert record["before"] == before and record["after"] == after
+    assert after["thought_tokens"] < before["thought_tokens"]  # it learned to end its thought, as its targets do
+
+
+def test_a_lora_warm_start_writes_the_merged_model(toy_task, tmp_path, untrained_tiny_dir):
+    """--lora-rank trains adapters on the decoder and merges them: the folder is a plain model (no adapter
+    files) whose decoder weights moved and whose frozen vision tower did not. Planted: the adapter not merged
+    before saving; the folder's weights were the base model's (plus unused LoRA tensors). This failed."""
+    from safetensors.torch import load_file
+
+    from vlm_grpo_ma.model.loading import load_policy
+    from vlm_grpo_ma.tools.warmstart import main
+
+    path, out = toy_task("toy_lora"), tmp_path / "warm"
+    main(["--task", "toy_lora", "--task-module", str(path), "--model", str(untrained_tiny_dir), "--out", str(out),
+          "--steps", "3", "--batch-size", "2", "--lora-rank", "4", "--eval-samples", "1", "--max-thought-tokens", "2",
+          "--max-answer-tokens", "2", "--threads", "1"])  # fmt: skip
+    assert json.loads((out / "warmstart.json").read_text())["lora_rank"] == 4
+    assert not (out / "adapter_config.json").exists()
+    base, warm = load_file(untrained_tiny_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(warm) == set(base)
+    moved = {name for name in base if not torch.equal(base[name], warm[name])}
+    assert any(".self_attn.q_proj." in name for name in moved) and not any("visual" in name for name in moved)
+    assert load_policy(str(out)).adapter is None
+
+
+def test_a_target_that_fails_skips_its_sample_counted(fresh_registry, capsys):
+    """Planted: no try around target(sample); the warm start crashed on the first bad row. This failed."""
+    from vlm_grpo_ma.task_api.registry import Sample, Task
+    from vlm_grpo_ma.tools.task_warmstart import WarmStartError, task_targets
+
+    def target(sample):  # a: fine; b: no string; c: raises
+        return {"a": "<think>x</think><answer>1</answer>", "b": None}[sample.id]
+
+    task = Task(name="bad_targets", load=lambda *a: [], reward=lambda c, s: {"reward": 0.0}, instruction="", target=target)
+    samples = [Sample("bad_targets", i, "q", (), "1") for i in ("a", "b", "c")]
+    assert [s.id for s, _ in task_targets(task, samples)] == ["a"]
+    assert "skipped 2 of 3 training samples whose target failed (first: sample 'b': TypeError" in capsys.readouterr().out
+    with pytest.raises(WarmStartError, match="target\\(sample\\) gave no completion for any of its 2 training samples \\(sample .b.: TypeError"):
+        task_targets(task, samples[1:])
+
+
+def test_a_training_image_that_does_not_load_is_skipped_for_the_rest_of_the_warm_start(tiny_policy, tmp_path, capsys):
+    """Planted: no except around encode_prompt; the first batch raised ImageLoadError. This failed."""
+    from PIL import Image
+
+    from vlm_grpo_ma.task_api.registry import Sample, Task
+    from vlm_grpo_ma.tools.task_warmstart import TargetBatches, WarmStartError
+
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(tmp_path / "fine.png")
+    task = Task(name="t", load=lambda *a: [], reward=lambda c, s: {"reward": 0.0}, instruction="")
+    fine, broken = (Sample("t", name, "q", (str(tmp_path / f"{name}.png"),), "1") for name in ("fine", "missing"))
+    batches = TargetBatches(tiny_policy, task, [(fine, "a"), (broken, "b")], batch_size=3, seed=0)
+    prompts, texts = batches.take()
+    assert texts == ["a", "a", "a"] and len(prompts) == 3 and batches.broken == {"missing"}
+    assert capsys.readouterr().out.count("skipping training sample 'missing'") == 1
+    with pytest.raises(WarmStartError, match="no training sample's image or video could be read"):
+        TargetBatches(tiny_policy, task, [(broken, "b")], batch_size=1, seed=0).take()
+
+
+@pytest.mark.parametrize("program", ["warmstart", "evaluate"])
+def test_a_task_module_that_is_not_on_the_path_is_one_line(program, tmp_path, capsys):
+    """Planted: ImportError not caught; a traceback. This failed (for each program)."""
+    from vlm_grpo_ma.tools import evaluate, warmstart
+
+    argv = ["--task-module", "no_such_task_module_here", "--out" if program == "warmstart" else "--output-dir", str(tmp_path / "x")]
+    with pytest.raises(SystemExit) if program == "warmstart" else contextlib.nullcontext():
+        code = {"warmstart": warmstart.main, "evaluate": evaluate.main}[program](argv)
+        assert code == 2
+    error = capsys.readouterr().err
+    assert "--task-module: No module named 'no_such_task_module_here'" in error and error.count("\n") == 1

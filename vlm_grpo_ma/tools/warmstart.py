@@ -1,6 +1,11 @@
-"""Supervised warm start of the embedded tiny model: ``python -m vlm_grpo_ma.warmstart [--task counting|video]``.
+"""Supervised warm start before RL: ``python -m vlm_grpo_ma.warmstart --task NAME [--task-module PATH]``.
 
-Two phases, both on scenes drawn fresh at every step from the embedded data's own generator
+**Any registered task**, built-in or out of tree (``--task-module``, as ``data.task_modules`` names them): a
+supervised cold start on its own training split, imitating ``Task.target`` (``tools/task_warmstart.py``); a task
+without ``target`` is refused in one line.
+
+**The embedded models' recipes** (``--task grounding|counting|video``) learn from generated scenes instead, in two
+phases, both on scenes drawn fresh at every step from the embedded data's own generator
 (``data/make_grounding.py``; with ``--task counting``, the picture problems of ``data/make_math.py``; with
 ``--task video``, the clips of ``data/make_video.py``, each a pair of frames per temporal patch), seeded
 apart from the committed train and test splits, so a 1.1M-parameter model sees tens of thousands of distinct
@@ -59,14 +64,12 @@ import importlib.util
 import random
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vlm_grpo_ma.model.loading import Policy, load_policy
-from vlm_grpo_ma.model.logprobs import sequence_logprobs
 from vlm_grpo_ma.model.lora import freeze_vision, trainable_parameters, vision_tower
 from vlm_grpo_ma.model.prompts import encode_prompt
 from vlm_grpo_ma.model.tiny import (
@@ -77,7 +80,17 @@ from vlm_grpo_ma.model.tiny import (
 )
 from vlm_grpo_ma.run.evaluation import EvalSettings
 from vlm_grpo_ma.task_api.coords import from_original_pixels
-from vlm_grpo_ma.task_api.registry import Sample, get_task
+from vlm_grpo_ma.task_api.registry import Sample, get_task, import_task_modules
+from vlm_grpo_ma.tools.task_warmstart import (
+    GENERIC_DEFAULTS,
+    STREAM_DEFAULTS,
+    completion_loss,
+    held_out_metrics,
+    metrics_line,
+    refuse,
+    train_supervised,
+    warm_start_from_args,
+)
 
 DATA_SCRIPTS = Path(__file__).resolve().parents[2] / "data"
 # Scene seeds: the committed grounding splits use 20240101 (train) and 20240202 (test), the math splits
@@ -417,84 +430,108 @@ def target_text(policy: Policy, sample: Sample, input_size, original_size, box_m
 
 
 def supervised_step(policy: Policy, samples: list[Sample], instruction: str, box_margin: float = 0.0) -> torch.Tensor:
+    """The decoder phase's loss on generated samples, their completions written by ``target_text``."""
     prompts = [encode_prompt(policy, s, instruction) for s in samples]
-    eos = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    targets = [
-        policy.tokenizer.encode(
-            target_text(policy, s, p.input_sizes[0] if p.input_sizes else None, p.original_sizes[0] if p.original_sizes else None, box_margin),
-            add_special_tokens=False,
-        )
-        + [eos]
+    texts = [
+        target_text(policy, s, p.input_sizes[0] if p.input_sizes else None, p.original_sizes[0] if p.original_sizes else None, box_margin)
         for s, p in zip(samples, prompts, strict=True)
     ]
-    logprobs = sequence_logprobs(policy, prompts, list(range(len(samples))), targets, temperature=1.0)
-    return -logprobs.sum() / sum(len(t) for t in targets)
+    return completion_loss(policy, prompts, texts)
 
 
 def held_out_report(policy: Policy, samples: list[Sample], settings: EvalSettings | None = None, snapshot: Path | None = None) -> str:
     """Greedy held-out metrics as a line; with ``snapshot`` the model is also saved there."""
-    from vlm_grpo_ma.run.evaluation import evaluate_task
-
     if snapshot is not None:
         policy.model.save_pretrained(snapshot)
         policy.processor.save_pretrained(snapshot)
-    was_training = policy.model.training
-    policy.model.eval()
-    with torch.no_grad():
-        metrics, _ = evaluate_task(policy, get_task(samples[0].task), samples, settings or EvalSettings(), progress=False)
-    policy.model.train(was_training)
-    return " ".join(f"{k} {metrics[k]:.3f}" for k in ("reward", "iou", "format", "accuracy") if k in metrics)
+    task = get_task(samples[0].task)
+    return metrics_line(task, held_out_metrics(policy, task, samples, settings or EvalSettings(), "held-out"))
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The command line
 
 
-def _train(parameters, steps: int, learning_rate: float, step_loss, *, label: str, report=None, report_every: int = 0):
-    """AdamW with a 20-step warm-up then a linear decay to a tenth; gradients clipped at 1. ``report`` is
-    called every ``report_every`` steps and printed."""
-    parameters = list(parameters)
-    optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / max(steps, 1))
-    )
-    started = time.perf_counter()
-    for step in range(1, steps + 1):
-        loss = step_loss()
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % 25 == 0 or step == steps:
-            print(f"{label} step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - started:.0f}s", flush=True)
-        if report is not None and report_every and (step % report_every == 0 or step == steps):
-            print(f"{label} step {step:5d}  held-out: {report()}", flush=True)
+# Flags of one path only: the generated streams' vision phase and scene size, and the generic path's choices.
+STREAM_ONLY = {"vision_steps": "--vision-steps", "vision_learning_rate": "--vision-learning-rate",
+               "image_side": "--image-side", "snapshot": "--snapshot"}  # fmt: skip
+GENERIC_ONLY = {"lora_rank": "--lora-rank", "train_vision": "--train-vision", "eval_split": "--eval-split", "dtype": "--dtype"}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=sorted(STREAMS), default="grounding",
-                        help="what the model learns: grounding scenes, counting pictures scored by the math task, or"
-                             " video clips scored by the video task")
-    parser.add_argument("--out", type=Path, help="model folder to write (default: the committed one of --task)")
-    parser.add_argument("--vision-steps", type=int, default=1500)
-    parser.add_argument("--decoder-steps", type=int, default=4000)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--vision-learning-rate", type=float, default=2e-3)
-    parser.add_argument("--decoder-learning-rate", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0, help="model initialisation")
-    parser.add_argument("--image-side", type=int, default=168, help="images are resized to at most side x side")
-    parser.add_argument("--eval-every", type=int, default=500, help="held-out greedy report every N decoder steps")
-    parser.add_argument("--eval-scenes", type=int, default=100)
-    parser.add_argument("--max-thought-tokens", type=int, default=40, help="thought limit of the held-out report")
-    parser.add_argument("--snapshot", type=Path, help="also save the model here at every held-out report")
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vlm_grpo_ma.warmstart", description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="grounding",
+                        help="the task to warm-start: grounding, counting (pictures scored by the math task) and video"
+                             " learn from generated scenes (the committed models' recipes); any other registered task"
+                             " from its own training split, imitating its Task.target")
+    parser.add_argument("--task-module", action="append", default=[],
+                        help="extra task module, as data.task_modules takes them (dotted name or .py path); repeatable")
+    parser.add_argument("--model", "--init", dest="init", metavar="MODEL",
+                        help="the model to start from: a model folder, a hub id or 'tiny' (default: 'tiny'; for the"
+                             " generated streams a fresh random tiny model)")
+    parser.add_argument("--out", type=Path,
+                        help="model folder to write (default: the committed one of grounding, counting, video; else"
+                             " runs/<task>-warm)")
+    parser.add_argument("--vision-steps", type=int, help="generated streams: vision phase steps (default 1500)")
+    parser.add_argument("--steps", "--decoder-steps", dest="decoder_steps", type=int, metavar="N",
+                        help=f"supervised steps on the completions (default {GENERIC_DEFAULTS['decoder_steps']}; generated"
+                             f" streams {STREAM_DEFAULTS['decoder_steps']})")
+    parser.add_argument("--batch-size", type=int, help=f"samples a step (default {GENERIC_DEFAULTS['batch_size']};"
+                                                        f" generated streams {STREAM_DEFAULTS['batch_size']})")
+    parser.add_argument("--vision-learning-rate", type=float, help="generated streams: the vision phase's (default 2e-3)")
+    parser.add_argument("--learning-rate", "--decoder-learning-rate", dest="decoder_learning_rate", type=float, metavar="RATE",
+                        help=f"AdamW peak rate, 20 steps of warm-up then a linear decay to a tenth (default"
+                             f" {GENERIC_DEFAULTS['decoder_learning_rate']:g}, for the embedded model; a real Qwen-VL"
+                             f" model wants about 1e-5, or 1e-4 with --lora-rank; generated streams"
+                             f" {STREAM_DEFAULTS['decoder_learning_rate']:g})")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train LoRA adapters of this rank on the decoder and merge them into the saved weights"
+                             " (default 0: train the weights themselves)")
+    parser.add_argument("--train-vision", action="store_true", help="train the vision tower too (default: frozen)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the order of the training samples; for the generated streams, the model initialisation")
+    parser.add_argument("--image-side", type=int, help="generated streams: images resized to at most side x side (168)")
+    parser.add_argument("--eval-split", help="the held-out split scored before and after (default: test)")
+    parser.add_argument("--eval-every", type=int, help="also a held-out greedy report every N steps (default: none;"
+                                                       " generated streams 500)")
+    parser.add_argument("--eval-samples", "--eval-scenes", dest="eval_scenes", type=int, default=100, metavar="N",
+                        help="held-out samples scored (default 100)")
+    parser.add_argument("--max-thought-tokens", type=int, default=40, help="thought limit of the held-out scoring")
+    parser.add_argument("--max-answer-tokens", type=int, default=24, help="answer limit of the held-out scoring")
+    parser.add_argument("--snapshot", type=Path, help="generated streams: also save the model at every held-out report")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights while training and saved (default float32)")
     parser.add_argument("--box-margin", type=float, default=0.0, help="loose labels: grow every target box by this many pixels a side")
-    parser.add_argument("--init", type=Path, help="start from this model folder instead of a fresh random model")
     parser.add_argument("--slip-rate", type=float, default=0.0,
                         help="counting: the share of sum and add labels with an arithmetic slip (see CountingStream);"
                              " video: the share of crossings labels counted one short (see VideoStream)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_arg_parser()
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:  # as train and evaluate: a missing module file, an unknown task (listing the known ones), a duplicate name
+        import_task_modules(args.task_module)
+        get_task(SCORED_BY.get(args.task, args.task))  # counting is a stream the math task scores
+    except ImportError as error:  # a dotted module that is not on the path
+        refuse(f"--task-module: {error}")
+    except KeyError as error:  # an unknown task: the registry lists the known ones
+        refuse(f"{error.args[0]} (or counting, the generated counting pictures)")
+    except (ValueError, FileNotFoundError) as error:
+        refuse(error.args[0] if error.args else str(error))
+    if args.task not in STREAMS:
+        given = [flag for name, flag in STREAM_ONLY.items() if getattr(args, name) is not None]
+        if given:
+            refuse(f"{', '.join(given)} belong to the generated streams (grounding, counting, video); task {args.task!r}"
+                   " warm-starts from its own training split (--train-vision trains its vision tower)")  # fmt: skip
+    else:
+        given = [flag for name, flag in GENERIC_ONLY.items() if getattr(args, name) not in (None, 0, False)]
+        if given:
+            refuse(f"{', '.join(given)}: --task {args.task} warm-starts from generated scenes with the committed models'"
+                   " recipe; these flags are for any other task")  # fmt: skip
     if not args.box_margin >= 0:
         parser.error(f"--box-margin must be a number of pixels >= 0, got {args.box_margin}")
     if args.box_margin and args.task != "grounding":
@@ -503,12 +540,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--slip-rate must be a share in [0, 1], got {args.slip_rate}")
     if args.slip_rate and args.task not in ("counting", "video"):
         parser.error(f"--slip-rate puts slips in counting and video labels; --task {args.task} has none")
+    settings = EvalSettings(max_thought_tokens=args.max_thought_tokens, max_answer_tokens=args.max_answer_tokens)
+    if args.task not in STREAMS:
+        warm_start_from_args(args, settings)
+        return
+    for name, default in {**STREAM_DEFAULTS, "vision_steps": 1500, "vision_learning_rate": 2e-3, "image_side": 168,
+                          "eval_every": 500}.items():  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     out = args.out or {"grounding": TINY_EXACT_MODEL_DIR, "counting": TINY_COUNT_MODEL_DIR, "video": TINY_VIDEO_MODEL_DIR}[args.task]
     make_stream = STREAMS[args.task]
 
     torch.manual_seed(args.seed)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     init_dir = args.init or build_untrained(
         out.with_name(out.name + "-init"), seed=args.seed, image_side=args.image_side
     )
@@ -519,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.vision_steps:
         heads = TokenHeads(policy.model.config.vision_config.out_hidden_size, count_centres=args.task == "counting")
         stream = make_stream(VISION_SEED)
-        _train(
+        train_supervised(
             [*visual.parameters(), *heads.parameters()],
             args.vision_steps,
             args.vision_learning_rate,
@@ -537,8 +580,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         stream = make_stream(DECODER_SEED)
     held_out = [scene.sample for scene in make_stream(HELD_OUT_SEED).take(args.eval_scenes)]  # true labels
-    settings = EvalSettings(max_thought_tokens=args.max_thought_tokens)
-    _train(
+    train_supervised(
         decoder_parameters,
         args.decoder_steps,
         args.decoder_learning_rate,
