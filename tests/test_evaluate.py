@@ -273,3 +273,19 @@ def test_drawings_carry_a_legend_of_prediction_and_truth(tmp_path):
     assert image.width == drawn.width and image.height > drawn.height
     strip = {image.getpixel((x, y)) for x in range(image.width) for y in range(drawn.height, image.height)}
     assert PREDICTION_COLOUR in strip and TRUTH_COLOUR in strip
+
+
+def test_a_task_without_draw_is_said_once_and_draws_nothing(tmp_path, caplog):
+    """A task without ``draw`` got no drawings and no word why. Planted: the log line left out; this failed."""
+    import dataclasses
+    import logging
+
+    task = dataclasses.replace(get_task("grounding"), name="grounding-without-draw", draw=None)
+    sample = task.load("test")[0]
+    record = {"id": sample.id, "sample_index": 0, "prediction": {"box": [10.0, 10.0, 40.0, 40.0]}}
+    with caplog.at_level(logging.INFO, logger="vlm_grpo_ma.evaluate"):
+        for _ in range(2):
+            assert evaluation.draw_predictions(task, [sample], [record], tmp_path, 1) == 0
+    said = [r.getMessage() for r in caplog.records if "has no draw function" in r.getMessage()]
+    assert said == ["task grounding-without-draw has no draw function: no drawings of its predictions (docs/TASKS.md, Task.draw)"]
+    assert list(tmp_path.iterdir()) == []

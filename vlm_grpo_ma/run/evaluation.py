@@ -241,6 +241,9 @@ def _read_complete_records(path: Path, per_sample: int) -> list[dict]:
     return complete
 
 
+_said_no_draw: set[str] = set()  # tasks whose missing draw was logged
+
+
 def draw_predictions(
     task: Task,
     samples: Sequence[Sample],
@@ -255,7 +258,12 @@ def draw_predictions(
     legend of the two colours below. A sample with images is drawn on its first image; one with videos only,
     on a strip of its first video's frames as the model saw them (decoded under ``video_budget``, sides a
     multiple of ``patch_factor``: pass the policy's ``video_budget`` and ``patch_factor``)."""
-    if task.draw is None or count <= 0:
+    if count <= 0:
+        return 0
+    if task.draw is None:
+        if task.name not in _said_no_draw:  # once a process: every evaluation would say it again
+            _said_no_draw.add(task.name)
+            log.info("task %s has no draw function: no drawings of its predictions (docs/TASKS.md, Task.draw)", task.name)
         return 0
     by_id = {r["id"]: r for r in records if r["sample_index"] == 0}
     folder.mkdir(parents=True, exist_ok=True)
