@@ -83,7 +83,9 @@ def test_a_run_without_learning_signal_says_so(untrained_tiny_dir, tmp_path, cap
         summary = train(cfg)
     assert ("no learning signal: all 2 groups had equal rewards in each of the last 3 steps, so every advantage is 0 and"
             " nothing trains; the model may not solve this task yet: see docs/TASKS.md") in caplog.text
-    warm_start = "or warm-start it on its data: python -m vlm_grpo_ma.warmstart --task math\n"  # planted: no command; failed
+    # planted: no command; failed. Planted: no word of the target math lacks (the warm start refuses it); failed
+    warm_start = ("or warm-start it on its data: python -m vlm_grpo_ma.warmstart --task math (first give math a Task.target,"
+                  " the completion to imitate)\n")
     assert warm_start in caplog.text
     assert summary["counters"]["steps_without_signal"] == 3 and summary["counters"]["groups_without_signal"] == 6
     assert read_metrics(tmp_path / "math")[-1]["count/steps_without_signal"] == 3

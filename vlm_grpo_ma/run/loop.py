@@ -47,7 +47,10 @@ def no_signal_help(cfg: Config) -> str:
     """What a run without learning signal says to do: the guide, and the supervised warm start of its task(s)."""
     modules = "".join(f" --task-module {module}" for module in cfg.data.task_modules)
     commands = " or ".join(f"python -m vlm_grpo_ma.warmstart --task {name}{modules}" for name in cfg.task_weights)
-    return f"the model may not solve this task yet: see docs/TASKS.md, 'Will my task learn?', or warm-start it on its data: {commands}"
+    # the warm start imitates Task.target and refuses a task without one: say so here, not after a second command
+    untaught = [name for name in cfg.task_weights if get_task(name).target is None]
+    first = f" (first give {', '.join(untaught)} a Task.target, the completion to imitate)" if untaught else ""
+    return f"the model may not solve this task yet: see docs/TASKS.md, 'Will my task learn?', or warm-start it on its data: {commands}{first}"
 
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
