@@ -8,10 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import pickle
-import resource
-import signal
 import struct
 from collections import Counter
 from pathlib import Path
@@ -169,34 +166,35 @@ def test_a_frame_list_reads_only_the_frames_it_keeps(tmp_path, monkeypatch):
     assert [int(f[0, 0, 0]) for f in video.frames] == [i % 256 for i in video.frame_indices]
 
 
+_PEAK_SCRIPT = """
+import json, resource, sys
+import torch
+from vlm_grpo_ma.task_api.videos import VideoBudget, decode_video
+path, budget, warm_ups = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+for video, warm_up in warm_ups:
+    decode_video(video, VideoBudget(**warm_up))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+decode_video(path, VideoBudget(**budget))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""
+
+
 def _decode_peak_bytes(path: str, budget: VideoBudget, warm_ups: list[tuple[str, VideoBudget]]) -> int:
     """The peak resident memory that decoding ``path`` under ``budget`` adds to the ``warm_ups`` decodes before
-    it, in a forked child (its peak starts at its memory at the fork: what the test session held before does
-    not count)."""
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child reports through the pipe and exits
-        try:
-            import torch
+    it, in a fresh Python process (a fork of the test session, which holds threads of torch and vLLM, can
+    deadlock; and what the session held does not count)."""
+    import dataclasses
+    import json
+    import subprocess
+    import sys
 
-            signal.alarm(60)  # a child that hangs is killed: the parent reads no report and fails
-            torch.set_num_threads(1)  # no OpenMP pool in a forked child
-            for video, warm_up in warm_ups:
-                decode_video(video, warm_up)
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            decode_video(path, budget)
-            os.write(write, str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        report = pipe.read()
-    os.waitpid(child, 0)
-    assert report, "the decoding child reported nothing (it crashed or hung)"
-    return int(report) * 1024  # ru_maxrss is in KiB on Linux
+    argument = json.dumps([path, dataclasses.asdict(budget), [(video, dataclasses.asdict(b)) for video, b in warm_ups]])
+    done = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, argument], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1]) * 1024  # ru_maxrss is in KiB on Linux
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="the peak is measured in a forked child")
 def test_decoding_holds_one_full_size_frame_not_all_the_kept_ones(tmp_path):
     """A 32-frame 1280x720 clip, its frames resized to 112x56: keeping all 32 takes no more memory than keeping 2
     of the same decode (the decoder's reference frames and one full-size RGB frame are the peak either way),
