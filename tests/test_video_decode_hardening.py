@@ -32,15 +32,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "video"
 
 def _raw_h264(path, frames: int, width: int = 56, height: int = 56):
     """A raw H.264 elementary stream (no container: no frame count, cannot seek), frame i as ``frame_array(i)``."""
-    with av.open(str(path), "w", format="h264") as container:
-        stream = container.add_stream("libx264", rate=4)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(frames):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame_array(i, width, height), format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
+    return write_clip(path, frames=frames, fps=4, width=width, height=height, container_format="h264")
 
 
 def _error(video, budget=BUDGET) -> str:

@@ -17,9 +17,12 @@ def frame_array(index: int, width: int = 56, height: int = 56) -> np.ndarray:
     return frame
 
 
-def write_clip(path: Path, frames: int = 8, fps: int = 4, width: int = 56, height: int = 56, codec: str = "libx264") -> Path:
-    """A clip of ``frames`` frames at ``fps``; frame i has the square at column 2 + STEP * i."""
-    with av.open(str(path), "w") as container:
+def write_clip(
+    path: Path, frames: int = 8, fps: int = 4, width: int = 56, height: int = 56, codec: str = "libx264", container_format: str | None = None
+) -> Path:
+    """A clip of ``frames`` frames at ``fps``; frame i has the square at column 2 + STEP * i. ``container_format``
+    names FFmpeg's muxer where the file name does not (``h264``: a raw stream, no container)."""
+    with av.open(str(path), "w", format=container_format) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
