@@ -18,6 +18,7 @@ from typing import Any
 from vlm_grpo_ma.algorithm.advantages import ADVANTAGE_ESTIMATORS
 from vlm_grpo_ma.algorithm.loss import LOSS_AGGREGATIONS, POLICY_LOSSES
 from vlm_grpo_ma.engines.decode import SEED_STRIDE
+from vlm_grpo_ma.task_api.judge import VERDICT_FORMATS
 from vlm_grpo_ma.task_api.videos import VideoBudget
 
 
@@ -207,6 +208,22 @@ class LoggingConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A served judge model for tasks whose rewards need one (``Task.judge_query``; docs/JUDGE.md)."""
+
+    base_url: str | None = None  # an OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (`vllm serve`)
+    model: str = field(default="", metadata=shapes("objective"))  # the served model's name, as GET /models lists it
+    api_key_env: str | None = None  # the environment variable that holds the API key (never the key itself)
+    verdict: str = field(default="yes_no", metadata=shapes("objective"))  # yes_no, or score (an integer 0-10)
+    send_images: bool = field(default=False, metadata=shapes("objective"))  # send the image file too (a judge that takes images)
+    max_in_flight: int = 8  # requests at a time, per process
+    request_timeout_s: float = 20.0  # one request; every verdict of a step also waits at most rollout.reward_timeout_s
+    retries: int = 2  # retries of a request refused for load (HTTP 429, 5xx), timed out or not connected
+    max_answer_chars: int = field(default=500, metadata=shapes("objective"))  # a longer answer is not sent: scores 0
+    max_tokens: int = 4  # tokens the judge may write (the verdict is one word or number)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -214,6 +231,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
     @property
     def task_weights(self) -> dict[str, float]:
@@ -254,6 +272,7 @@ CHOICES = {
     "train.optimizer": ("adamw", "sgd"),
     "train.lr_schedule": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("no", "bf16"),  # fp16 is refused with its reason in validate()
+    "judge.verdict": VERDICT_FORMATS,
 }
 POSITIVE = (
     "rollout.num_thoughts",
@@ -278,6 +297,7 @@ POSITIVE = (
     "train.keep_checkpoints",
     "logging.log_every",
     "model.min_pixels", "model.max_pixels", "model.video_fps", "model.video_max_pixels",
+    "judge.max_in_flight", "judge.request_timeout_s", "judge.max_answer_chars", "judge.max_tokens",
 )
 NON_NEGATIVE = (
     "algorithm.eps", "algorithm.clip_low", "algorithm.clip_high",
@@ -296,6 +316,7 @@ NON_NEGATIVE = (
     "logging.rollout_every",
     "logging.eval_drawings",
     "train.seed",
+    "judge.retries",
 )
 # Keys that were renamed: the error says what to write instead.
 REPLACED_KEYS = {

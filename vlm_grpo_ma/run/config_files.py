@@ -122,6 +122,11 @@ def save_config(cfg: Config, path: Path, *, history: list[str] = ()) -> None:
     write_atomically(path, comments + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
+# Sections added after runs were saved whose defaults are what those runs did (no judge): a saved config without
+# one resumes with its defaults.
+SECTIONS_ADDED_LATER = ("judge",)
+
+
 def missing_settings(values: dict[str, Any]) -> list[str]:
     """What a config file's ``values`` (``config_file_values``) lack of what ``save_config`` writes: every section
     and key, named (whole sections first, as ``section.*``). A saved run's config.yaml must hold them all, or the
@@ -129,6 +134,8 @@ def missing_settings(values: dict[str, Any]) -> list[str]:
     sections, keys = [], []
     for section in dataclasses.fields(Config):
         given = values.get(section.name)
+        if given is None and section.name in SECTIONS_ADDED_LATER:
+            continue
         if not isinstance(given, dict):
             sections.append(f"{section.name}.*")
             continue

@@ -17,11 +17,11 @@ from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
 from vlm_grpo_ma.engines.rollout import generate_rollout
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import encode_prompt, open_image
-from vlm_grpo_ma.run.rewards import task_reward
+from vlm_grpo_ma.run.rewards import score_answers, with_judgements
 from vlm_grpo_ma.task_api.drawing import with_legend
 from vlm_grpo_ma.task_api.images import ImageLoadError
 from vlm_grpo_ma.task_api.registry import Sample, Task
-from vlm_grpo_ma.task_api.reward_pool import RewardTimeout
+from vlm_grpo_ma.task_api.reward_pool import DEFAULT_TIMEOUT_S, RewardTimeout
 from vlm_grpo_ma.task_api.videos import VideoBudget, decode_video, frame_strip
 
 log = logging.getLogger("vlm_grpo_ma.evaluate")
@@ -98,21 +98,27 @@ def summarize_records(task: Task, records: Sequence[dict], samples_per_prompt: i
 # Scoring one task
 
 
-def _score(task: Task, completion, sample: Sample) -> tuple[dict[str, float], object, str | None]:
-    """(reward parts, parsed prediction, error kind) for one answer; a raising reward or parser scores 0."""
-    parts, reward, error = task_reward(task, task.reward_weights, completion, sample)
-    if error is not None:
-        timed_out = isinstance(error, RewardTimeout)
-        log.warning("reward of task %s on sample %s %s; scored 0", task.name, sample.id,
-                    error if timed_out else f"raised {error!r}")
-        return {"reward": 0.0}, None, "reward_timeout" if timed_out else "reward"
-    parts["reward"] = reward
-    try:
-        prediction = task.parse(completion, sample) if task.parse is not None else None
-    except Exception as error:  # noqa: BLE001 - a dump field is never worth a crash
-        log.warning("parse of task %s raised %r on sample %s", task.name, error, sample.id)
-        prediction = None
-    return parts, prediction, None
+def _score_all(task: Task, completions: Sequence, samples: Sequence[Sample], judge) -> list[tuple[dict[str, float], object, str | None]]:
+    """(reward parts, parsed prediction, error kind) per answer, the answers' judge queries asked together
+    (``rewards.with_judgements``); a raising reward or parser scores 0."""
+    jobs = [(task, task.reward_weights, completion, sample) for completion, sample in zip(completions, samples, strict=True)]
+    jobs, _, _ = with_judgements(jobs, judge, deadline_s=DEFAULT_TIMEOUT_S)
+    scored = []
+    for (_, _, completion, sample), (parts, reward, error) in zip(jobs, score_answers(jobs), strict=True):
+        if error is not None:
+            timed_out = isinstance(error, RewardTimeout)
+            log.warning("reward of task %s on sample %s %s; scored 0", task.name, sample.id,
+                        error if timed_out else f"raised {error!r}")
+            scored.append(({"reward": 0.0}, None, "reward_timeout" if timed_out else "reward"))
+            continue
+        parts["reward"] = reward
+        try:
+            prediction = task.parse(completion, sample) if task.parse is not None else None
+        except Exception as error:  # noqa: BLE001 - a dump field is never worth a crash
+            log.warning("parse of task %s raised %r on sample %s", task.name, error, sample.id)
+            prediction = None
+        scored.append((parts, prediction, None))
+    return scored
 
 
 def generate_records(
@@ -123,11 +129,13 @@ def generate_records(
     *,
     batch_size: int,
     positions: dict[str, int] | None = None,
+    judge=None,
 ) -> Iterable[list[dict]]:
     """Per batch of prompts, one record per answer: {id, sample_index, thought, answer, prediction, parts,
     thought_tokens, answer_tokens, error}. A sample whose image cannot be read gets records with reward 0
     and ``error: "image"`` (counted in the ``errors`` metric), never an exception. ``positions`` (sample id
-    -> its index in the whole benchmark; default: in ``samples``) seeds each sample's sampling generator."""
+    -> its index in the whole benchmark; default: in ``samples``) seeds each sample's sampling generator. ``judge``:
+    the served judge (``task_api.judge.Judge``) of a task with ``judge_query``."""
     position = positions if positions is not None else {sample.id: i for i, sample in enumerate(samples)}
     was_training = policy.model.training
     policy.model.eval()
@@ -153,9 +161,11 @@ def generate_records(
                 rollout = generate_rollout(
                     policy, encodable, prompts, num_thoughts=settings.samples, num_answers=1, settings=sampling
                 )
+                answer_samples = [encodable[rollout.indices(a)[0]] for a in range(len(rollout.completions))]
+                scored = _score_all(task, rollout.completions, answer_samples, judge)
                 for a, completion in enumerate(rollout.completions):
                     b, k, _ = rollout.indices(a)
-                    parts, prediction, error = _score(task, completion, encodable[b])
+                    parts, prediction, error = scored[a]
                     if rollout.tree.thought_ended_turn[a]:  # as in training: no answer after an ended turn
                         parts = {name: 0.0 for name in parts}
                     records.append(
@@ -193,6 +203,7 @@ def evaluate_task(
     records_path: Path | None = None,
     progress: bool = True,
     description: str = "",
+    judge=None,
 ) -> tuple[dict[str, float], list[dict]]:
     """Score ``samples``; returns (metrics, records). With ``records_path`` the records are appended there as
     each batch finishes and samples already recorded in it are not generated again (resume)."""
@@ -205,7 +216,7 @@ def evaluate_task(
     sink = open(records_path, "a", encoding="utf-8") if records_path is not None else None  # noqa: SIM115
     try:
         positions = {sample.id: i for i, sample in enumerate(samples)}  # a resumed sample samples as before
-        for batch in generate_records(policy, task, todo, settings, batch_size=batch_size, positions=positions):
+        for batch in generate_records(policy, task, todo, settings, batch_size=batch_size, positions=positions, judge=judge):
             records += batch
             if sink is not None:
                 sink.writelines(json.dumps(r) + "\n" for r in batch)

@@ -32,7 +32,7 @@ def load_eval_sets(cfg: Config, tasks: dict[str, Task]) -> dict[str, tuple[Task,
     return sets
 
 
-def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path, accelerator) -> dict[str, float]:
+def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path, accelerator, judge=None) -> dict[str, float]:
     """Greedy evaluation with the evaluate CLI's code, shared by the processes: each set is cut into the
     batches one process would generate, dealt round-robin, and the records gathered, so every process returns
     the figures one process computes (the same batches, the same seeds). Per-sample records go to
@@ -56,7 +56,7 @@ def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path
             with survive.together(accelerator):
                 index = first + rank
                 if index < len(batches):
-                    records = generate_records(policy, task, batches[index], settings, batch_size=batch_size, positions=positions)
+                    records = generate_records(policy, task, batches[index], settings, batch_size=batch_size, positions=positions, judge=judge)
                     mine.append((index, [record for batch in records for record in batch]))
         shares = gather_object(mine) if processes > 1 else mine
         records = [record for _, batch in sorted(shares, key=lambda share: share[0]) for record in batch]
@@ -73,8 +73,8 @@ def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path
     return metrics
 
 
-def evaluate_during_training(policy: Policy, scorer, accelerator, eval_sets: dict, cfg: Config, folder: Path) -> dict[str, float]:
+def evaluate_during_training(policy: Policy, scorer, accelerator, eval_sets: dict, cfg: Config, folder: Path, judge=None) -> dict[str, float]:
     """``evaluate_held_out`` with the weights gathered (FSDP: every process holds them whole for it), under
     ``train.mixed_precision`` as the rollout computes."""
     with sharding.gathered(scorer), accelerator.autocast():
-        return evaluate_held_out(policy, eval_sets, cfg, folder, accelerator)
+        return evaluate_held_out(policy, eval_sets, cfg, folder, accelerator, judge)

@@ -137,6 +137,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         # the engine ends while the process group still stands (vLLM's teardown destroys it); no teardown when
         # this process stops alone: the others may be waiting in a collective
         run.engine.close(orderly=not stopped_alone)
+        if run.judge is not None:
+            run.judge.close()
     summary = write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
     if counters["steps_without_signal"] and accelerator.is_main_process:
         print(f"no learning signal in {counters['steps_without_signal']} of {step} steps (every group's rewards"
@@ -175,7 +177,8 @@ def sample_step(run: RunState, step: int) -> tuple[list[EncodedPrompt], Rollout,
         generated_tokens += sum(map(len, rollout.tree.thought_ids)) + sum(map(len, rollout.tree.answer_ids))
         with survive.together(run.accelerator):
             scored = score_rollout(rollout, weight_overrides=cfg.data.reward_weights, workers=cfg.rollout.reward_workers,
-                                   truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s)  # fmt: skip
+                                   truncated_thoughts=cfg.rollout.truncated_thoughts, timeout_s=cfg.rollout.reward_timeout_s,
+                                   judge=run.judge)  # fmt: skip
             informative = informative_prompts(scored.rewards)  # on the task's rewards, before the length shaping (as DAPO)
             scored = add_overlong_penalty(
                 scored, rollout, max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens,
@@ -348,6 +351,8 @@ def step_metrics(
         metrics["signal/resampled_prompts"] = step_counts["resampled_prompts"]
         metrics["signal/uninformative_groups_trained"] = step_counts["uninformative_groups_trained"]
     metrics.update(update)
+    if run.judge is not None:
+        metrics.update(judge_metrics(step_counts, scored.judge_seconds))
     metrics.update(run.engine.step_metrics())  # vllm: rollout/prefix_cache_hit_rate
     if run.engine.metrics_prefix:  # vLLM in a launch: each process's gap under its name too
         metrics[run.engine.metrics_prefix + "logprob_gap_max"] = metrics["rollout/logprob_gap_max"]
@@ -363,9 +368,24 @@ def step_metrics(
     return mean_over_processes(run.accelerator, metrics)
 
 
+def judge_metrics(step_counts: Counter, seconds: float) -> dict[str, float]:
+    """The served judge's step, over the processes (``step_counts``) and this process's wait (``seconds``):
+    requests sent (retries included), the share of judged answers the cache or an identical answer served,
+    answers left without a verdict (failed, unreadable) and answers over the length cap."""
+    asked = step_counts["judge_queries"] - step_counts["judge_overlong"]
+    return {
+        "judge/requests": step_counts["judge_requests"],
+        "judge/cache_hit_rate": step_counts["judge_cache_hits"] / asked if asked else 0.0,
+        "judge/failures": step_counts["judge_failures"],
+        "judge/unreadable": step_counts["judge_unreadable"],
+        "judge/overlong": step_counts["judge_overlong"],
+        "judge/seconds": seconds,
+    }
+
+
 def evaluate(run: RunState, step: int) -> dict[str, float]:
     """Held-out evaluation after ``step`` steps (0: before the first); records in ``eval/step-NNNNNN/``."""
-    return evaluate_during_training(run.policy, run.scorer, run.accelerator, run.eval_sets, run.cfg, eval_folder(run, step))
+    return evaluate_during_training(run.policy, run.scorer, run.accelerator, run.eval_sets, run.cfg, eval_folder(run, step), run.judge)
 
 
 def eval_folder(run: RunState, step: int):

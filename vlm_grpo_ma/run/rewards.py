@@ -14,6 +14,7 @@ import torch
 
 from vlm_grpo_ma.algorithm.advantages import overlong_penalty
 from vlm_grpo_ma.engines.rollout import Rollout
+from vlm_grpo_ma.task_api.judge import Judge
 from vlm_grpo_ma.task_api.registry import Sample, Task, get_task, weighted_reward
 from vlm_grpo_ma.task_api.reward_pool import DEFAULT_TIMEOUT_S, RewardTimeout, shared_pool
 
@@ -25,8 +26,9 @@ class ScoredRollout:
     rewards: torch.Tensor  # [B, K, M]
     parts: dict[str, torch.Tensor]  # name -> [B, K, M] (NaN where a completion's task has no such part)
     per_answer_parts: list[dict[str, float]]  # [B * K * M], answer-row order (for rollout dumps)
-    # reward_errors, reward_timeouts, thought_ended_turn, thought_truncated, answers_after_ended_turn
+    # reward_errors, reward_timeouts, thought_ended_turn, thought_truncated, answers_after_ended_turn, judge_* (JudgeStats)
     counters: Counter = field(default_factory=Counter)
+    judge_seconds: float = 0.0  # waiting for the served judge's verdicts
 
 
 def reward_weights_for(task: Task, overrides: dict[str, float]) -> dict[str, float]:
@@ -55,8 +57,39 @@ def _weighed(outcome, weights: dict[str, float]) -> tuple[dict[str, float], floa
         return {}, 0.0, error
 
 
+Job = tuple[Task, dict[str, float], object, object]  # (task, part weights, completion, sample)
+
+
+def with_judgements(jobs: list[Job], judge: Judge | None, *, deadline_s: float) -> tuple[list[Job], Counter, float]:
+    """``jobs`` with the served judge's verdict in each completion of a task that has ``judge_query``
+    (``Completion.judgement``; task_api/judge.py), the call's counts (``judge_*``) and its seconds. Every query
+    goes out in one ``Judge.verdicts`` call (concurrent, deduplicated, cached) within ``deadline_s``. Without a
+    judge, or a task without ``judge_query``, the jobs are returned as they are. A ``judge_query`` that raises
+    asks nothing (counted as ``judge_query_errors``, logged once)."""
+    counters: Counter = Counter()
+    if judge is None or not any(task.judge_query is not None for task, *_ in jobs):
+        return jobs, counters, 0.0
+    queries = []
+    for task, _, completion, sample in jobs:
+        query = None
+        if task.judge_query is not None:
+            try:
+                query = task.judge_query(completion, sample)
+            except Exception as error:  # noqa: BLE001 - model output is never worth a crash
+                counters["judge_query_errors"] += 1
+                if counters["judge_query_errors"] == 1:
+                    log.warning("judge_query of task %s raised %r on sample %s; nothing asked", task.name, error, sample.id)
+        queries.append(query)
+    verdicts, stats = judge.verdicts(queries, deadline_s=deadline_s)
+    judged = [
+        (task, weights, dataclasses.replace(completion, judgement=verdict) if query is not None else completion, sample)
+        for (task, weights, completion, sample), query, verdict in zip(jobs, queries, verdicts, strict=True)
+    ]
+    return judged, counters + stats.counters(), stats.seconds
+
+
 def score_answers(
-    jobs: list[tuple[Task, dict[str, float], object, object]], *, workers: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
+    jobs: list[Job], *, workers: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[tuple[dict[str, float], float, Exception | None]]:
     """``(parts, weighted reward, None)`` per ``(task, weights, completion, sample)`` job, in order, or
     ``({}, 0.0, error)`` when the reward raised (``RewardError``) or ran past ``timeout_s`` seconds
@@ -93,11 +126,12 @@ def score_rollout(
     truncated_thoughts: str = "close",
     workers: int = 1,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    judge: Judge | None = None,
 ) -> ScoredRollout:
     """Score every answer. A thought that ended the turn scores 0; so does a truncated thought when
     ``truncated_thoughts == "zero"``. The task rewards run in ``workers`` worker processes, each call under a
-    deadline of ``timeout_s`` seconds (``rollout.reward_timeout_s``); the result does not depend on ``workers``."""
-    counters: Counter = Counter()
+    deadline of ``timeout_s`` seconds (``rollout.reward_timeout_s``); the result does not depend on ``workers``.
+    Tasks with ``judge_query`` get ``judge``'s verdicts first, all of the step's within that deadline too."""
     flat_parts: list[dict[str, float]] = []
     tree = rollout.tree
     jobs = []
@@ -105,6 +139,7 @@ def score_rollout(
         sample = rollout.samples[rollout.indices(a)[0]]
         task = get_task(sample.task)
         jobs.append((task, reward_weights_for(task, weight_overrides or {}), completion, sample))
+    jobs, counters, judge_seconds = with_judgements(jobs, judge, deadline_s=timeout_s)
     results = score_answers(jobs, workers=workers, timeout_s=timeout_s)
     for a, (parts, reward, error) in enumerate(results):
         task, _, _, sample = jobs[a]
@@ -126,7 +161,7 @@ def score_rollout(
         counters["thought_truncated"] += int(tree.thought_truncated[t])
         counters["thought_ended_turn"] += int(tree.thought_ended_turn[t])
     shape = (rollout.num_prompts, rollout.num_thoughts, rollout.num_answers)
-    return _scored(flat_parts, shape, counters)
+    return dataclasses.replace(_scored(flat_parts, shape, counters), judge_seconds=judge_seconds)
 
 
 def _scored(flat_parts: list[dict[str, float]], shape: tuple[int, int, int], counters: Counter) -> ScoredRollout:
@@ -145,7 +180,9 @@ def gather_scored_groups(groups: Sequence[tuple[ScoredRollout, int]], counters: 
     rewards = groups[0][0].rewards
     K, M = rewards.shape[1], rewards.shape[2]
     flat_parts = [scored.per_answer_parts[(b * K + k) * M + m] for scored, b in groups for k in range(K) for m in range(M)]
-    return _scored(flat_parts, (len(groups), K, M), counters)
+    draws = {id(scored): scored for scored, _ in groups}.values()
+    gathered = _scored(flat_parts, (len(groups), K, M), counters)
+    return dataclasses.replace(gathered, judge_seconds=sum(scored.judge_seconds for scored in draws))
 
 
 def add_overlong_penalty(
@@ -169,4 +206,5 @@ def add_overlong_penalty(
         {**parts, "overlong": float(extra), "reward": parts["reward"] + float(extra)}
         for parts, extra in zip(scored.per_answer_parts, shaping.tolist(), strict=True)
     ]
-    return _scored(flat_parts, tuple(scored.rewards.shape), scored.counters)
+    shaped = _scored(flat_parts, tuple(scored.rewards.shape), scored.counters)
+    return dataclasses.replace(shaped, judge_seconds=scored.judge_seconds)

@@ -29,6 +29,7 @@ from vlm_grpo_ma.run.config import Config, ConfigError, check_video_max_pixels
 from vlm_grpo_ma.run.config_files import save_config
 from vlm_grpo_ma.run.distributed import main_process_value, make_accelerator, quiet_other_processes
 from vlm_grpo_ma.run.held_out import load_eval_sets
+from vlm_grpo_ma.run.judge_setup import judge_for
 from vlm_grpo_ma.run.memory_model import tree_too_large
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
@@ -84,6 +85,7 @@ class RunState:
     prompts_per_process: int
     engine: object  # samples the rollouts (vlm_grpo_ma/engines: rollout.engine); holds the policy's weights
     run_lock: object  # the main process's lock on the run folder (run_dir.hold_run_dir); None on the others
+    judge: object = None  # the served judge of tasks that ask one (judge_setup.judge_for), else None
 
     def completed_state(self) -> dict:
         """The part of a checkpoint that records the steps done: data position, counters, spike history."""
@@ -201,6 +203,8 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     with count_load_skips() as load_skips:  # rows dropped at load (an unreadable image), counted below
         tasks, stream = load_prompt_stream(cfg)
     eval_sets = load_eval_sets(cfg, tasks)
+    with survive.together(accelerator):  # a task that needs a judge the settings do not give: every process stops
+        judge = judge_for(cfg.judge, tasks.values(), run_dir)
     max_videos = max(len(sample.videos) for sample in stream.samples)
     if max_videos:  # the start's check counted no video tokens: again, with the data's
         check_tree_fits(cfg, accelerator, videos_per_prompt=max_videos)
@@ -303,7 +307,7 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
         policy=policy, scorer=scorer, optimizer=optimizer, scheduler=scheduler, reference=reference, fsdp=fsdp,
         logger=logger, counters=counters, spikes=spikes, start_step=start_step,
-        prompts_per_process=cfg.train.prompts_per_step // num_processes, engine=engine, run_lock=run_lock,
+        prompts_per_process=cfg.train.prompts_per_step // num_processes, engine=engine, run_lock=run_lock, judge=judge,
     )  # fmt: skip
 
 

@@ -35,6 +35,8 @@ What is here:
   videos        ``decode_video`` (a path or frame list under a ``VideoBudget`` -> ``DecodedVideo``), ``FrameList``
                 (a frame list with its frames' rate), ``VideoLoadError``
                 (skipped and counted as a broken image is), ``frame_strip`` (frames side by side, for drawings);
+  judge         ``JudgeQuery`` (what ``Task.judge_query`` returns: the run's served judge is asked it, and the
+                reward reads the verdict as ``Completion.judgement``; docs/JUDGE.md);
   evaluation    ``draw_marks`` with ``PREDICTION_COLOUR`` and ``TRUTH_COLOUR`` (for ``Task.draw``).
 
 Every parser is total on model output: malformed text gives ``None`` (or ``0.0`` for ``iou``), never an
@@ -49,6 +51,7 @@ from __future__ import annotations
 from vlm_grpo_ma.task_api.coords import CoordinateFrame
 from vlm_grpo_ma.task_api.drawing import PREDICTION_COLOUR, TRUTH_COLOUR, draw_marks
 from vlm_grpo_ma.task_api.images import ImageLoadError, header_size, open_lazily
+from vlm_grpo_ma.task_api.judge import JudgeQuery
 from vlm_grpo_ma.task_api.parsing import (
     clip_box,
     extract_tag,
@@ -129,6 +132,8 @@ __all__ = [
     "ImageLoadError",
     "header_size",
     "open_lazily",
+    # judge
+    "JudgeQuery",
     # videos
     "VideoLoadError",
     "VideoBudget",

@@ -57,6 +57,9 @@ class Completion:
     original_sizes: tuple[Size, ...] = ()
     thought_truncated: bool = False
     answer_truncated: bool = False
+    # The served judge's verdict on this answer, in [0, 1], for a task with ``Task.judge_query``; None when it
+    # gave none (no query, the judge failed or timed out, an unreadable verdict, an answer over the length cap)
+    judgement: float | None = None
 
     @property
     def text(self) -> str:
@@ -75,6 +78,7 @@ LoadFn = Callable[..., list[Sample]]  # load(split: str, source: str | None = No
 ParseFn = Callable[[Completion, Sample], Any]  # the parsed prediction, JSON-serialisable, for evaluation dumps
 DrawFn = Callable[[Any, Sample, Any], Any]  # draw(PIL image, sample, parsed prediction) -> annotated PIL image
 TargetFn = Callable[[Sample], str]  # target(sample) -> the whole completion a good model writes for it
+JudgeQueryFn = Callable[[Completion, Sample], Any]  # judge_query(completion, sample) -> a judge.JudgeQuery or None
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,12 @@ class Task:
     For a supervised cold start (``python -m vlm_grpo_ma.warmstart --task NAME``): ``target(sample)`` gives the
     whole completion a good model writes for the sample, ``<think>...</think><answer>...</answer>`` in the
     task's format (a thought where the data has one, else a rationale field or a template, and the answer); the
-    warm start trains the model on it after the prompt. A task without it cannot be warm-started."""
+    warm start trains the model on it after the prompt. A task without it cannot be warm-started.
+
+    For answers no rule can check: ``judge_query(completion, sample)`` gives a ``JudgeQuery`` (question,
+    reference answers, the answer) or None; the run's served judge (``judge.*`` settings, docs/JUDGE.md) is
+    asked every query of a step before the rewards run, and the reward reads the verdict as
+    ``completion.judgement`` (in [0, 1], or None). A run with such a task needs ``judge.base_url``."""
 
     name: str
     load: LoadFn
@@ -105,6 +114,7 @@ class Task:
     parse: ParseFn | None = None
     draw: DrawFn | None = None
     target: TargetFn | None = None
+    judge_query: JudgeQueryFn | None = None
 
 
 def weighted_reward(parts: dict[str, float], weights: dict[str, float]) -> float:
