@@ -171,3 +171,13 @@ def test_an_unreachable_judge_fails_its_answers_and_warns_once(caplog):
             scores, stats = judge.verdicts([query("a"), query("b")], deadline_s=30)
             assert scores == [None, None] and stats.failures == 2
     assert len([r for r in caplog.records if "judge" in r.getMessage()]) == 1
+
+
+def test_a_stopped_judge_costs_one_query_s_retries_per_call_not_every_query_s():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    judge = Judge(base_url=f"http://127.0.0.1:{port}/v1", model="m", retries=2, max_in_flight=1)
+    scores, stats = judge.verdicts([query(f"answer {i}") for i in range(20)], deadline_s=60)
+    assert scores == [None] * 20 and stats.failures == 20
+    assert stats.requests == 3  # the first query's three attempts; the rest gave up without a request

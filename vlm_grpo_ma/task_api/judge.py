@@ -250,9 +250,9 @@ class Judge:
             keyed.setdefault(self.cache_key(query), []).append(index)
         cached = self._cache.get(list(keyed)) if self._cache is not None else {}
         to_ask = {key: indices for key, indices in keyed.items() if key not in cached}
-        stats.cache_hits = sum(len(indices) for key, indices in keyed.items() if key in cached)
-        stats.cache_hits += sum(len(indices) - 1 for indices in to_ask.values())
         fresh = self._ask_all({key: queries[indices[0]] for key, indices in to_ask.items()}, started + deadline_s, stats)
+        stats.cache_hits = sum(len(indices) for key, indices in keyed.items() if key in cached)
+        stats.cache_hits += sum(len(indices) - 1 for key, indices in to_ask.items() if key in fresh)
         if self._cache is not None:
             self._cache.put({key: score for key, score in fresh.items() if score is not None})
         for key, indices in keyed.items():
@@ -269,9 +269,10 @@ class Judge:
         if not queries:
             return {}
         answered: dict[str, float | None] = {}
+        unreachable = threading.Event()  # set by the first query that could not connect at all, retries spent
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="judge")
         try:
-            futures = {pool.submit(self._ask, query, deadline, stats): key for key, query in queries.items()}
+            futures = {pool.submit(self._ask, query, deadline, stats, unreachable): key for key, query in queries.items()}
             done, not_done = concurrent.futures.wait(futures, timeout=max(0.0, deadline - time.monotonic()))
             for future in done:
                 try:
@@ -285,11 +286,16 @@ class Judge:
             pool.shutdown(wait=False, cancel_futures=True)
         return answered
 
-    def _ask(self, query: JudgeQuery, deadline: float, stats: JudgeStats) -> float | None:
+    def _ask(self, query: JudgeQuery, deadline: float, stats: JudgeStats, unreachable: threading.Event) -> float | None:
+        """The verdict on one query (None: unreadable); JudgeUnavailable when it got none. Once one query of the
+        call found the server unreachable after its retries, the others give up too (a stopped judge costs one
+        query's retries a step, not every query's)."""
         image_url = _data_url(query.image) if self.send_images and query.image else None
         payload = {"model": self.model, "messages": judge_messages(query, self.verdict_format, image_url),
                    "temperature": 0.0, "max_tokens": self.max_tokens}  # fmt: skip
         for attempt in range(self.retries + 1):
+            if unreachable.is_set():
+                raise JudgeUnavailable("unreachable", "the judge could not be reached in this step")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise JudgeUnavailable("deadline", "no verdict within the reward deadline")
@@ -298,6 +304,8 @@ class Judge:
             try:
                 body = self._request("POST", "/chat/completions", payload, min(self.request_timeout_s, remaining))
             except JudgeUnavailable as error:
+                if error.kind == "unreachable" and attempt == self.retries:
+                    unreachable.set()
                 if error.kind == "refused" or attempt == self.retries:
                     raise
                 time.sleep(min(0.25 * 2**attempt, max(0.0, deadline - time.monotonic())))

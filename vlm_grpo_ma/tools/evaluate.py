@@ -34,9 +34,11 @@ import torch
 from vlm_grpo_ma.model.loading import Policy, checked_model_path, load_policy
 from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run import checkpoint as ckpt
-from vlm_grpo_ma.run.config import ConfigError, ModelConfig, check_video_max_pixels
+from vlm_grpo_ma.run.config import ConfigError, JudgeConfig, ModelConfig, check_video_max_pixels
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
+from vlm_grpo_ma.run.judge_setup import judge_for
 from vlm_grpo_ma.run.run_dir import CONFIG_FILE, read_saved_config
+from vlm_grpo_ma.task_api.judge import VERDICT_FORMATS
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules, load_samples
 from vlm_grpo_ma.task_api.videos import VideoBudget
 
@@ -168,17 +170,22 @@ def evaluate_models(
     progress: bool = True,
     load: Callable[..., Policy] = load_policy,
     video_overrides: dict[str, float | int] | None = None,
+    judge_settings: JudgeConfig | None = None,
 ) -> dict:
     """Score every model on every task; write the outputs described in the module docstring. Videos are
     seen, scored and drawn under each model's budget: its run's (``ModelSpec.video_budget``), else training's
     default ``model.video_*``, with each key of ``video_overrides`` (a ``VideoBudget`` field -> its value: the
-    ``--video-*`` flags given) over it."""
+    ``--video-*`` flags given) over it. Tasks scored by a served judge get ``judge_settings``'s (the
+    ``--judge-*`` flags; its verdict cache in ``output_dir``)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     data = {}
     for name in task_names:
         task = get_task(name)
         samples = load_samples(task, split, sources.get(name))
         data[name] = (task, samples[:limit] if limit else samples)
+    judge = judge_for(judge_settings or JudgeConfig(), [task for task, _ in data.values()], output_dir)
+    # the judge is part of what the numbers mean: a resume under another judge is refused
+    judged_by = {"model": judge.model, "verdict": judge.verdict_format} if judge is not None else None
     budgets = {model.label: replace(model.video_budget or VideoBudget(), **(video_overrides or {})) for model in models}
     benches = {name: f"{name}-{_benchmark_name(split, sources.get(name))}" for name in data}
     for model in models:  # every resume is checked before any model loads: a refusal costs no evaluation
@@ -187,7 +194,7 @@ def evaluate_models(
             folder.mkdir(parents=True, exist_ok=True)
             # a video benchmark's budget is part of what it is: a resume continues under the same one
             video_budget = budgets[model.label] if any(s.videos for s in samples) else None
-            _check_settings(folder / "settings.json", settings, model, video_budget)
+            _check_settings(folder / "settings.json", settings, model, video_budget, judged_by if data[name][0].judge_query is not None else None)
     results: dict[str, dict[str, dict[str, float]]] = {}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for model in models:
@@ -201,7 +208,7 @@ def evaluate_models(
             folder = output_dir / model.label / bench
             metrics, records = evaluate_task(
                 policy, task, samples, settings, batch_size=batch_size, records_path=folder / "samples.jsonl",
-                progress=progress, description=f"{model.label} {bench}",
+                progress=progress, description=f"{model.label} {bench}", judge=judge,
             )
             draw_predictions(
                 task, samples, records, folder / "draw", draw, video_budget=policy.video_budget, patch_factor=policy.patch_factor
@@ -209,6 +216,8 @@ def evaluate_models(
             results[model.label][bench] = metrics
             log.info("%s %s: %s", model.label, bench, json.dumps(metrics))
         del policy
+    if judge is not None:
+        judge.close()
     payload = {"settings": asdict(settings), "models": {m.label: m.path for m in models}, "results": results}
     (output_dir / "results.json").write_text(json.dumps(payload, indent=2))
     table = results_table(results)
@@ -216,12 +225,17 @@ def evaluate_models(
     return payload
 
 
-def _check_settings(path: Path, settings: EvalSettings, model: ModelSpec, video_budget: VideoBudget | None) -> None:
-    """Resuming is only sound with the same model, settings and (for a benchmark with videos) video budget:
-    refuse otherwise, naming what differs. A benchmark without videos records no budget (it changes nothing)."""
+def _check_settings(
+    path: Path, settings: EvalSettings, model: ModelSpec, video_budget: VideoBudget | None, judged_by: dict | None = None
+) -> None:
+    """Resuming is only sound with the same model, settings, (for a benchmark with videos) video budget and (for
+    a task a served judge scores) judge: refuse otherwise, naming what differs. A benchmark without videos
+    records no budget (it changes nothing), one without a judge no judge."""
     identity = {"model": model.path, "settings": asdict(settings)}
     if video_budget is not None:
         identity["video_budget"] = asdict(video_budget)
+    if judged_by is not None:
+        identity["judge"] = judged_by
     if path.is_file():
         saved = json.loads(path.read_text())
         if saved != identity:
@@ -277,6 +291,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", help="where results go (default: evals/<models>--<tasks>, so an evaluation of"
                         " other models or tasks keeps the earlier results, and the same command resumes)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--judge-url", help="the served judge of tasks that need one (vqa_open): an OpenAI-compatible"
+                        " endpoint, e.g. http://127.0.0.1:8000/v1 (docs/JUDGE.md)")
+    parser.add_argument("--judge-model", help="the judge's served model name")
+    parser.add_argument("--judge-api-key-env", help="the environment variable holding the judge's API key")
+    parser.add_argument("--judge-verdict", choices=VERDICT_FORMATS, default="yes_no", help="the judge's verdict: yes_no or score")
     return parser
 
 
@@ -312,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
             models, args.tasks, split=args.split, sources=sources, settings=settings,
             output_dir=output_dir, limit=args.limit, batch_size=args.batch_size, draw=args.draw,
             dtype=args.dtype, progress=not args.no_progress, video_overrides=video_overrides,
-        )
+            judge_settings=JudgeConfig(base_url=args.judge_url, model=args.judge_model or "",
+                                       api_key_env=args.judge_api_key_env, verdict=args.judge_verdict),
+        )  # fmt: skip
     except (ValueError, KeyError, OSError) as error:  # bad arguments, unknown task, missing file or model
         if isinstance(error, OSError) and error.strerror:  # the OS's own (args[0] is its errno): the path and why
             print(f"error: {error.filename}: {error.strerror}", file=sys.stderr)
