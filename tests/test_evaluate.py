@@ -195,7 +195,7 @@ def test_raising_reward_scores_zero():
         raise RuntimeError("boom")
 
     task = Task("bad", load=lambda *a: [], reward=bad_reward, instruction="")
-    parts, prediction, error = evaluation._score(task, Completion("", ""), Sample("bad", "1", "q", (), None))
+    [(parts, prediction, error)] = evaluation._score_all(task, [Completion("", "")], [Sample("bad", "1", "q", (), None)], judge=None)
     assert parts == {"reward": 0.0} and error == "reward" and prediction is None
 
 

@@ -181,3 +181,13 @@ def test_a_stopped_judge_costs_one_query_s_retries_per_call_not_every_query_s():
     scores, stats = judge.verdicts([query(f"answer {i}") for i in range(20)], deadline_s=60)
     assert scores == [None] * 20 and stats.failures == 20
     assert stats.requests == 3  # the first query's three attempts; the rest gave up without a request
+
+
+def test_a_constrained_judge_asks_vllm_for_the_verdict_s_words_only(server):
+    make_judge(server).verdicts([query("a")], deadline_s=30)
+    make_judge(server, constrain_verdict=True).verdicts([query("b")], deadline_s=30)
+    make_judge(server, constrain_verdict=True, verdict_format="score").verdicts([query("c")], deadline_s=30)
+    plain, yes_no, score = server.requests
+    assert "structured_outputs" not in plain  # a server other than vLLM may refuse the field
+    assert yes_no["structured_outputs"] == {"choice": ["yes", "no"]}
+    assert score["structured_outputs"] == {"choice": [str(v) for v in range(11)]}

@@ -111,12 +111,12 @@ def test_evaluate_scores_a_judged_task_with_the_judge_and_refuses_to_resume_unde
     server = JudgeServer()
     args = ["--models", str(untrained_tiny_dir), "--task-module", JUDGED_TASK, "--tasks", "judged_parity", "--limit", "3",
             "--max-thought-tokens", "4", "--max-answer-tokens", "5", "--draw", "0", "--no-progress",
-            "--output-dir", str(tmp_path / "eval"), "--judge-url", server.base_url]  # fmt: skip
+            "--output-dir", str(tmp_path / "eval"), "--judge", f"base_url={server.base_url}"]  # fmt: skip
     try:
-        assert evaluate.main([*args, "--judge-model", "judge-model"]) == 0
+        assert evaluate.main([*args, "--judge", "model=judge-model"]) == 0
         assert len(server.requests) > 0
         # another judge (here its verdict format): its numbers would mix with the first one's
-        assert evaluate.main([*args, "--judge-model", "judge-model", "--judge-verdict", "score"]) == 2
+        assert evaluate.main([*args, "--judge", "model=judge-model", "--judge", "verdict=score"]) == 2
     finally:
         server.stop()
     err = capsys.readouterr().err

@@ -216,6 +216,7 @@ class JudgeConfig:
     api_key_env: str | None = None  # the environment variable that holds the API key (never the key itself)
     verdict: str = field(default="yes_no", metadata=shapes("objective"))  # yes_no, or score (an integer 0-10)
     send_images: bool = field(default=False, metadata=shapes("objective"))  # send the image file too (a judge that takes images)
+    constrain_verdict: bool = False  # vLLM servers only: the reply restricted to the verdict's words (structured outputs)
     max_in_flight: int = 8  # requests at a time, per process
     request_timeout_s: float = 20.0  # one request; every verdict of a step also waits at most rollout.reward_timeout_s
     retries: int = 2  # retries of a request refused for load (HTTP 429, 5xx), timed out or not connected

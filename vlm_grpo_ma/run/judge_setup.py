@@ -47,7 +47,7 @@ def judge_for(settings: JudgeConfig, tasks: Iterable[Task], folder: Path, *, pro
         base_url=settings.base_url, model=settings.model, api_key=api_key, verdict_format=settings.verdict,
         max_in_flight=settings.max_in_flight, request_timeout_s=settings.request_timeout_s, retries=settings.retries,
         max_answer_chars=settings.max_answer_chars, max_tokens=settings.max_tokens, send_images=settings.send_images,
-        cache_path=folder / CACHE_FILE,
+        constrain_verdict=settings.constrain_verdict, cache_path=folder / CACHE_FILE,
     )  # fmt: skip
     if probe:
         try:

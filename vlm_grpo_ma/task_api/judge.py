@@ -65,6 +65,8 @@ VERDICT_INSTRUCTIONS = {
     "reference answer, 0 when it is wrong, in between for a partly right answer.",
 }
 SCORE_RANGE = (0, 10)
+# The replies a constrained judge may write (vLLM's structured outputs, ``constrain_verdict``)
+VERDICT_CHOICES = {"yes_no": ["yes", "no"], "score": [str(value) for value in range(SCORE_RANGE[0], SCORE_RANGE[1] + 1)]}
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ class Judge:
     max_answer_chars: int = 500
     max_tokens: int = 4
     send_images: bool = False
+    constrain_verdict: bool = False  # vLLM servers: the reply restricted to VERDICT_CHOICES (structured outputs)
     cache_path: Path | None = None
     _cache: VerdictCache | None = field(default=None, init=False)
     _warned: set[str] = field(default_factory=set, init=False)
@@ -229,8 +232,8 @@ class Judge:
 
     def cache_key(self, query: JudgeQuery) -> str:
         image = _file_digest(query.image) if self.send_images and query.image else None
-        identity = [TEMPLATE_VERSION, self.verdict_format, self.model, query.question, normalised_answer(query.answer),
-                    sorted(query.references), image]  # fmt: skip
+        identity = [TEMPLATE_VERSION, self.verdict_format, self.constrain_verdict, self.model, query.question,
+                    normalised_answer(query.answer), sorted(query.references), image]  # fmt: skip
         return hashlib.sha256(json.dumps(identity, ensure_ascii=True).encode()).hexdigest()
 
     def verdicts(self, queries: Sequence[JudgeQuery | None], *, deadline_s: float) -> tuple[list[float | None], JudgeStats]:
@@ -293,6 +296,8 @@ class Judge:
         image_url = _data_url(query.image) if self.send_images and query.image else None
         payload = {"model": self.model, "messages": judge_messages(query, self.verdict_format, image_url),
                    "temperature": 0.0, "max_tokens": self.max_tokens}  # fmt: skip
+        if self.constrain_verdict:
+            payload["structured_outputs"] = {"choice": VERDICT_CHOICES[self.verdict_format]}
         for attempt in range(self.retries + 1):
             if unreachable.is_set():
                 raise JudgeUnavailable("unreachable", "the judge could not be reached in this step")

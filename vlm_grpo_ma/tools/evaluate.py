@@ -35,10 +35,10 @@ from vlm_grpo_ma.model.loading import Policy, checked_model_path, load_policy
 from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run.config import ConfigError, JudgeConfig, ModelConfig, check_video_max_pixels
+from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
 from vlm_grpo_ma.run.judge_setup import judge_for
 from vlm_grpo_ma.run.run_dir import CONFIG_FILE, read_saved_config
-from vlm_grpo_ma.task_api.judge import VERDICT_FORMATS
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules, load_samples
 from vlm_grpo_ma.task_api.videos import VideoBudget
 
@@ -291,11 +291,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", help="where results go (default: evals/<models>--<tasks>, so an evaluation of"
                         " other models or tasks keeps the earlier results, and the same command resumes)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--judge-url", help="the served judge of tasks that need one (vqa_open): an OpenAI-compatible"
-                        " endpoint, e.g. http://127.0.0.1:8000/v1 (docs/JUDGE.md)")
-    parser.add_argument("--judge-model", help="the judge's served model name")
-    parser.add_argument("--judge-api-key-env", help="the environment variable holding the judge's API key")
-    parser.add_argument("--judge-verdict", choices=VERDICT_FORMATS, default="yes_no", help="the judge's verdict: yes_no or score")
+    parser.add_argument("--judge", action="append", default=[], metavar="KEY=VALUE",
+                        help="a judge.* setting, as train takes it, for tasks scored by a served judge (vqa_open):"
+                        " --judge base_url=http://127.0.0.1:8000/v1 --judge model=NAME (docs/JUDGE.md)")
     return parser
 
 
@@ -331,8 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             models, args.tasks, split=args.split, sources=sources, settings=settings,
             output_dir=output_dir, limit=args.limit, batch_size=args.batch_size, draw=args.draw,
             dtype=args.dtype, progress=not args.no_progress, video_overrides=video_overrides,
-            judge_settings=JudgeConfig(base_url=args.judge_url, model=args.judge_model or "",
-                                       api_key_env=args.judge_api_key_env, verdict=args.judge_verdict),
+            judge_settings=load_config(None, [f"judge.{setting}" for setting in args.judge]).judge,
         )  # fmt: skip
     except (ValueError, KeyError, OSError) as error:  # bad arguments, unknown task, missing file or model
         if isinstance(error, OSError) and error.strerror:  # the OS's own (args[0] is its errno): the path and why
