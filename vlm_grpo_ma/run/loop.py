@@ -370,10 +370,11 @@ def step_metrics(
 
 def judge_metrics(step_counts: Counter, seconds: float) -> dict[str, float]:
     """The served judge's step, over the processes (``step_counts``) and this process's wait (``seconds``):
-    requests sent (retries included), the share of judged answers the cache or an identical answer served,
+    answers that asked for a verdict, requests sent (retries included), the share of judged answers the cache or an identical answer served,
     answers left without a verdict (failed, unreadable) and answers over the length cap."""
     asked = step_counts["judge_queries"] - step_counts["judge_overlong"]
     return {
+        "judge/queries": step_counts["judge_queries"],
         "judge/requests": step_counts["judge_requests"],
         "judge/cache_hit_rate": step_counts["judge_cache_hits"] / asked if asked else 0.0,
         "judge/failures": step_counts["judge_failures"],

@@ -147,9 +147,11 @@ def held_out_metrics(policy: Policy, task, samples: list[Sample], settings: Eval
 
 
 def metrics_line(task, metrics: dict[str, float]) -> str:
-    """The reward, the task's logged parts and its accuracy, as ``name value`` pairs."""
+    """The reward, the task's logged parts and its accuracy, as ``name value`` pairs; for a task a served judge
+    scores (which the warm start does not ask), a note that its judged parts read 0."""
     names = dict.fromkeys(("reward", *task.metrics, "accuracy"))
-    return " ".join(f"{name} {metrics[name]:.3f}" for name in names if name in metrics)
+    line = " ".join(f"{name} {metrics[name]:.3f}" for name in names if name in metrics)
+    return line + (" (no judge asked: judged parts read 0)" if task.judge_query is not None else "")
 
 
 def checked_output_folder(out: Path) -> Path:
