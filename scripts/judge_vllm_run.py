@@ -5,8 +5,8 @@ unreadable verdicts (docs/JUDGE.md, "Measured").
     .venv/bin/python scripts/judge_vllm_run.py                      # 4 steps, ~4 min on 2 CPU cores
     .venv/bin/python scripts/judge_vllm_run.py --steps 2 --port 8012
 
-The policy is the embedded model warm-started on vqa_open (`python -m vlm_grpo_ma.warmstart --task vqa_open`,
-run first when its folder is missing), so that its answers carry answer tags for the judge to read. The judge
+The policy is the embedded model warm-started on vqa_open (vlm_grpo_ma/assets/tiny-qwen2.5-vl-vqa_open, the
+start of configs/tiny-vqa_open.yaml), so that its answers carry answer tags for the judge to read. The judge
 is the embedded tiny model: no judge of any skill fits here, so its verdicts are constrained to yes/no
 (`judge.constrain_verdict=true`) and are noise; the figures are the plumbing's (HTTP, concurrency, the cache),
 which is what this script measures. vLLM's own CLI (`vllm serve`) reads the package version of a `vllm`
@@ -49,13 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--judge-model-dir", default=str(TINY_MODEL_DIR), help="the served judge's model folder")
-    parser.add_argument("--policy", default="runs/warmstart-vqa_open", help="the policy's model folder (warm-started when missing)")
+    parser.add_argument("--config", default="configs/tiny-vqa_open.yaml", help="the run's preset")
     parser.add_argument("--output-dir", default="runs/judge-vllm")
     args = parser.parse_args(argv)
     python, out = sys.executable, Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if not (Path(args.policy) / "config.json").is_file():
-        subprocess.run([python, "-m", "vlm_grpo_ma.warmstart", "--task", "vqa_open", "--out", args.policy], check=True, cwd=ROOT)
     url = f"http://127.0.0.1:{args.port}/v1"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(out / "vllm_serve.log", "w") as log:
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_server(url, server, limit_s=300)
         run_dir = out / "run"
         subprocess.run(
-            [python, "-m", "vlm_grpo_ma.train", "--task", "vqa_open", f"model.name_or_path={args.policy}",
+            [python, "-m", "vlm_grpo_ma.train", "--config", args.config,
              f"judge.base_url={url}", "judge.model=judge", "judge.constrain_verdict=true", f"train.steps={args.steps}",
              "train.num_threads=1", "train.eval_every=0", "logging.report_to=[]", "logging.progress_bar=false",
              "--output-dir", str(run_dir), "--overwrite"],

@@ -123,3 +123,23 @@ def test_evaluate_scores_a_judged_task_with_the_judge_and_refuses_to_resume_unde
     assert "'verdict': 'score'" in err and "other settings" in err
     records = [json.loads(line) for line in next((tmp_path / "eval").rglob("samples.jsonl")).read_text().splitlines()]
     assert len(records) == 3 and all("accuracy" in r["parts"] for r in records)
+
+
+def test_the_vqa_open_preset_asks_the_judge_and_its_m_answers_hit_the_cache(tmp_path):
+    from vlm_grpo_ma.run.config_files import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    server = JudgeServer()
+    try:
+        cfg = load_config(root / "configs" / "tiny-vqa_open.yaml", [
+            f"model.name_or_path={root / 'vlm_grpo_ma/assets/tiny-qwen2.5-vl-vqa_open'}", f"train.output_dir={tmp_path / 'run'}",
+            "train.steps=2", "train.prompts_per_step=4", "train.eval_every=0", "logging.report_to=[]", "logging.progress_bar=false",
+            f"judge.base_url={server.base_url}", "judge.model=judge-model",
+        ])  # fmt: skip
+        train(cfg)
+    finally:
+        server.stop()
+    steps = records(tmp_path / "run")
+    assert all(step["judge/queries"] > 0 and "judge/cache_hit_rate" in step for step in steps)
+    assert steps[0]["judge/cache_hit_rate"] > 0 and steps[-1]["count/judge_cache_hits"] > 0  # M = 4 answers repeat
+    assert sum(step["reward/accuracy"] for step in steps) > 0  # the test server said yes to some answers
