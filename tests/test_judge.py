@@ -191,3 +191,24 @@ def test_a_constrained_judge_asks_vllm_for_the_verdict_s_words_only(server):
     assert "structured_outputs" not in plain  # a server other than vLLM may refuse the field
     assert yes_no["structured_outputs"] == {"choice": ["yes", "no"]}
     assert score["structured_outputs"] == {"choice": [str(v) for v in range(11)]}
+
+
+def test_a_judge_that_sees_images_gets_the_file_s_bytes_and_its_cache_key_holds_them(server, tmp_path):
+    import base64
+
+    from PIL import Image
+
+    image = tmp_path / "scene.png"
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(image)
+    asked = JudgeQuery(QUESTION, REFERENCES, "the red circle", image=str(image))
+    judge = make_judge(server, tmp_path, send_images=True)
+    assert judge.verdicts([asked], deadline_s=30)[0] == [1.0]
+    picture, text = server.requests[0]["messages"][-1]["content"]
+    assert text["type"] == "text" and read_template(text["text"]) == (list(REFERENCES), "the red circle")
+    prefix = "data:image/png;base64,"
+    assert picture["image_url"]["url"].startswith(prefix)
+    assert base64.b64decode(picture["image_url"]["url"][len(prefix):]) == image.read_bytes()
+    Image.new("RGB", (8, 8), (30, 30, 200)).save(image)  # another picture under the same path: asked again
+    assert judge.verdicts([asked], deadline_s=30)[1].cache_hits == 0 and len(server.requests) == 2
+    make_judge(server).verdicts([asked], deadline_s=30)  # a text-only judge sends no image
+    assert isinstance(server.requests[-1]["messages"][-1]["content"], str)
