@@ -6,7 +6,10 @@ Its verdicts come from reading the user message as docs/JUDGE.md documents the t
 it answers ``yes`` when the answer, lower-cased, is one of the references, lower-cased. A prompt it cannot read
 that way (an answer that broke out of its field, a second candidate line) gets ``error: template`` as its reply,
 which the judge's parser cannot read. Tests set ``delay_s``, ``fail_first`` (HTTP 503 that many times),
-``reply`` (a fixed reply) and read ``requests``, ``max_in_flight``, ``completed`` and ``headers``.
+``reply`` (a fixed reply), ``trickle_s`` (a chat reply's headers, then a space of its body every ``trickle_s``
+seconds, never ending until ``stop``), ``redirect_to`` (every request answered HTTP 302 to that origin, the same
+path), ``raw_reply`` (these bytes written to the socket instead of an HTTP reply) and read ``requests``,
+``max_in_flight``, ``completed`` and ``headers`` (of every request).
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class JudgeServer:
         self.delay_s = 0.0
         self.fail_first = 0
         self.reply: str | None = None
+        self.trickle_s: float | None = None
+        self.redirect_to: str | None = None
+        self.raw_reply: bytes | None = None
+        self._stopped = threading.Event()
         self.requests: list[dict] = []
         self.headers: list[dict] = []
         self.in_flight = 0
@@ -62,6 +69,29 @@ class JudgeServer:
                 self.end_headers()
                 self.wfile.write(raw)
 
+            def _answered_otherwise(self) -> bool:
+                """A redirect or raw bytes, where the test set one."""
+                if server.redirect_to is not None:
+                    self.send_response(302)
+                    self.send_header("Location", server.redirect_to + self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif server.raw_reply is not None:
+                    self.wfile.write(server.raw_reply)
+                return server.redirect_to is not None or server.raw_reply is not None
+
+            def _trickle(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(1 << 30))
+                self.end_headers()
+                try:
+                    while not server._stopped.wait(server.trickle_s):
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                except OSError:  # the client gave up
+                    pass
+
             def _authorised(self) -> bool:
                 if server.api_key is None or self.headers.get("Authorization") == f"Bearer {server.api_key}":
                     return True
@@ -69,7 +99,12 @@ class JudgeServer:
                 return False
 
             def do_GET(self):
-                if not self._authorised():
+                with server._lock:
+                    server.headers.append(dict(self.headers))
+                if self._answered_otherwise() or not self._authorised():
+                    return
+                if server.trickle_s is not None:
+                    self._trickle()
                     return
                 if self.path.rstrip("/") == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": server.model, "object": "model"}]})
@@ -88,7 +123,10 @@ class JudgeServer:
                     server.fail_first -= int(failing)
                 try:
                     time.sleep(server.delay_s)
-                    if not self._authorised():
+                    if self._answered_otherwise() or not self._authorised():
+                        return
+                    if server.trickle_s is not None:
+                        self._trickle()
                         return
                     if self.path != "/v1/chat/completions" or body.get("model") != server.model:
                         self._send(404, {"error": f"no model {body.get('model')!r}"})
@@ -121,5 +159,6 @@ class JudgeServer:
         return "yes" if answer.lower() in {str(r).lower() for r in references} else "no"
 
     def stop(self) -> None:
+        self._stopped.set()
         self.httpd.shutdown()
         self.httpd.server_close()
