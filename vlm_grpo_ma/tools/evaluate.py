@@ -38,6 +38,8 @@ from vlm_grpo_ma.run.config import ConfigError, JudgeConfig, ModelConfig, check_
 from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
 from vlm_grpo_ma.run.judge_setup import judge_for
+from vlm_grpo_ma.tools.harness import PROMPTS, run_harness
+from vlm_grpo_ma.tools.harness import results_table as results_table_with_source
 from vlm_grpo_ma.run.run_dir import CONFIG_FILE, read_saved_config
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules, load_samples
 from vlm_grpo_ma.task_api.videos import VideoBudget
@@ -291,10 +293,31 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", help="where results go (default: evals/<models>--<tasks>, so an evaluation of"
                         " other models or tasks keeps the earlier results, and the same command resumes)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--harness", choices=("lmms-eval",), help="score through lmms-eval instead (--tasks are its task"
+                        " names; scripts/setup.sh --harness installs it; docs/EVALUATION.md)")
+    parser.add_argument("--prompt", choices=PROMPTS, default="training", help="with --harness: ask the way the model was"
+                        " trained (default; the answer taken from <answer>), or lmms-eval's stock prompt")
     parser.add_argument("--judge", action="append", default=[], metavar="KEY=VALUE",
                         help="a judge.* setting, as train takes it, for tasks scored by a served judge (vqa_open):"
                         " --judge base_url=http://127.0.0.1:8000/v1 --judge model=NAME (docs/JUDGE.md)")
     return parser
+
+
+def _run_harness(args) -> int:
+    """``--harness lmms-eval``: every model on every lmms-eval task (tools/harness.py); the table printed."""
+    if args.samples != 1:
+        raise ValueError(f"--samples {args.samples} with --harness: the bridge scores greedy answers only")
+    sources = _task_sources(args.source, args.tasks)
+    models = [resolve_model(spec, args.step) for spec in args.models]
+    output_dir = Path(args.output_dir) if args.output_dir else Path(f"{default_output_dir(models, args.tasks)}--lmms-eval")
+    payload = run_harness(
+        models, args.tasks, sources=sources, prompt=args.prompt, output_dir=output_dir, limit=args.limit,
+        batch_size=args.batch_size, max_thought_tokens=args.max_thought_tokens, max_answer_tokens=args.max_answer_tokens,
+        seed=args.seed,
+    )  # fmt: skip
+    print(results_table_with_source(payload["results"], payload["source"]), end="")
+    print(f"results: {output_dir / 'results.json'}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             samples=args.samples, temperature=args.temperature, max_thought_tokens=args.max_thought_tokens,
             max_answer_tokens=args.max_answer_tokens, seed=args.seed,
         )
+        if args.harness:
+            return _run_harness(args)
         import_task_modules(args.task_module)
         for name in args.tasks:
             get_task(name)
