@@ -15,6 +15,8 @@ from vlm_grpo_ma.tools import evaluate
 from vlm_grpo_ma.tools.harness import HARNESS_PYTHON, ROOT, HarnessError, harness_python, task_files
 
 FIXTURE = ROOT / "data" / "harness" / "refcoco_testA.parquet"
+MATHVISTA = ROOT / "data" / "harness" / "mathvista_testmini.parquet"
+COUNT_MODEL = ROOT / "vlm_grpo_ma" / "assets" / "tiny-qwen2.5-vl-count"
 
 
 def _installed() -> bool:
@@ -34,8 +36,8 @@ def test_training_prompt_task_files_name_the_project_task_and_the_local_data(tmp
     run = task_files(tmp_path, ["refcoco_bbox_rec_testA", "refcocog_bbox_rec_val"], {"refcocog_bbox_rec_val": str(FIXTURE)}, "training")
     assert run == ["vgm_refcoco_bbox_rec_testA", "vgm_refcocog_bbox_rec_val"]
     text = (tmp_path / "vgm_refcoco_bbox_rec_testA.yaml").read_text()
-    assert f'testA: "{FIXTURE}"' in text and "vgm_task: grounding" in text and "test_split: testA" in text
-    assert "vgm_task: grounding" in (tmp_path / "vgm_refcocog_bbox_rec_val.yaml").read_text()
+    assert f'testA: "{FIXTURE}"' in text and "vgm_sample: refcoco" in text and "test_split: testA" in text
+    assert "vgm_sample: refcoco" in (tmp_path / "vgm_refcocog_bbox_rec_val.yaml").read_text()
     assert "harness_worker import" in (tmp_path / "utils.py").read_text()
     assert task_files(tmp_path / "stock", ["mathvista_testmini"], {}, "stock") == ["mathvista_testmini"]  # lmms-eval's own
 
@@ -43,7 +45,7 @@ def test_training_prompt_task_files_name_the_project_task_and_the_local_data(tmp
 @pytest.mark.parametrize(
     ("names", "sources", "message"),
     [
-        (["mathvista_testmini"], {}, "no training-prompt task file for mathvista_testmini; .* --prompt stock"),
+        (["vstar_bench"], {}, "no training-prompt task file for vstar_bench; .* --prompt stock"),
         (["refcoco_bbox_rec_val"], {}, r"needs a local copy .* --source refcoco_bbox_rec_val=FILE"),
         (["refcoco_bbox_rec_val"], {"refcoco_bbox_rec_val": "/nonexistent.parquet"}, "no such file"),
     ],
@@ -74,6 +76,29 @@ def test_the_harness_and_the_evaluator_agree_sample_by_sample(tmp_path, capsys):
         assert json.loads(sample["response"]) == record["prediction"]  # the same answer, extracted the same way
         assert sample["iou"] == pytest.approx(record["parts"]["iou"], abs=1e-12)  # scored alike by the two codes
     assert sum(record["prediction"] is not None for record in ours) >= 12  # the answers carry boxes to compare
+
+
+@needs_harness
+def test_mathvista_through_the_harness_reads_each_row_as_its_project_task_does(tmp_path):
+    """Free-form rows asked and parsed as the math task does, multiple-choice rows as the vqa task does: the same
+    answers as this project's evaluator, row by row, on the counting warm start (whose answers are numbers)."""
+    assert evaluate.main(["--harness", "lmms-eval", "--models", str(COUNT_MODEL), "--tasks", "mathvista_testmini",
+                          "--output-dir", str(tmp_path / "harness")]) == 0  # fmt: skip
+    written = json.loads(next((tmp_path / "harness" / "lmms-eval").glob("*.json")).read_text())
+    harnessed = {s["doc_id"]: s for s in written["samples"]["vgm_mathvista_testmini"]}
+    ours = {}
+    for task in ("math", "vqa"):
+        assert evaluate.main(["--models", str(COUNT_MODEL), "--tasks", task, "--source", f"{task}={MATHVISTA}", "--draw", "0",
+                              "--no-progress", "--output-dir", str(tmp_path / task)]) == 0  # fmt: skip
+        for line in next((tmp_path / task).rglob("samples.jsonl")).read_text().splitlines():
+            record = json.loads(line)
+            ours[int(record["id"]) - 1] = record  # pid 1.. is row 0..
+    assert sorted(ours) == sorted(harnessed) == list(range(12))
+    for row, record in ours.items():
+        assert json.loads(harnessed[row]["response"]) == record["prediction"]
+    # the harness's scorer (MathVista's) and the tasks' rewards agree on these plain integer answers
+    assert [harnessed[row]["accuracy"] for row in range(12)] == [record["parts"]["accuracy"] for _, record in sorted(ours.items())]
+    assert sum(record["prediction"] is not None for record in ours.values()) >= 5  # 6 of 12 here: answers to compare
 
 
 FRAME_SCRIPT = textwrap.dedent("""

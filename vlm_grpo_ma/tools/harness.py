@@ -8,11 +8,14 @@ per model, and gathers what it wrote.
 
 Tasks. A name is lmms-eval's own (``refcoco_bbox_rec_testA``).
 - ``--prompt training`` (the default) asks the model the way it was trained, through a task file of ours
-  (``vgm_<name>``, written into ``<output>/lmms-eval/tasks/``): the project task's question and instruction, its
+  (``vgm_<name>``, written into ``<output>/lmms-eval/tasks/``): the row read as the project task reads it, its
+  question and instruction, its
   ``<think>/<answer>`` format, its parsed answer handed to the harness (harness_worker.py says how), scored by the
   harness's own code on the same data. Offline: the data is a local file, ``--source NAME=FILE`` in lmms-lab's
-  format (the hub's copy of the dataset, downloaded elsewhere), or for ``refcoco_bbox_rec_testA`` the shipped
-  fixture ``data/harness/refcoco_testA.parquet``. ``TRAINING_PROMPT_TASKS`` lists the names it knows.
+  format (the hub's copy of the dataset, downloaded elsewhere), or, for ``refcoco_bbox_rec_testA`` and
+  ``mathvista_testmini``, the shipped fixtures ``data/harness/refcoco_testA.parquet`` and
+  ``data/harness/mathvista_testmini.parquet``. ``TRAINING_PROMPT_TASKS``
+  lists the names it knows.
 - ``--prompt stock`` runs lmms-eval's own task file as it is (its prompt, its extraction), the model's whole reply
   handed to it; its data from the Hugging Face cache, read offline, or from ``--source NAME=FILE`` (a task file
   that includes lmms-eval's and reads the split from the file).
@@ -45,18 +48,19 @@ class HarnessError(ValueError):
 
 @dataclass(frozen=True)
 class TrainingPromptTask:
-    """An lmms-eval benchmark asked with a project task's prompt: ``task`` (the project's), the file's split, the
-    lmms-eval task functions (harness_worker.py) and the shipped fixture, if any."""
+    """An lmms-eval benchmark asked with a project task's prompt: the file's split, the task functions
+    (``<functions>_sample``, ``_docs`` ... in harness_worker.py), the row's truth column, the metrics, and the
+    shipped fixture, if any."""
 
-    task: str
     split: str
-    functions: str  # the prefix of the task functions in harness_worker.py
+    functions: str
+    target: str
     metrics: tuple[str, ...]
     fixture: str | None = None
 
 
 def _refcoco(split: str, fixture: str | None = None) -> TrainingPromptTask:
-    return TrainingPromptTask("grounding", split, "refcoco", ("iou", "acc_iou50"), fixture)
+    return TrainingPromptTask(split, "refcoco", "bbox", ("iou", "acc_iou50"), fixture)
 
 
 TRAINING_PROMPT_TASKS = {
@@ -69,6 +73,8 @@ TRAINING_PROMPT_TASKS = {
     "refcoco+_bbox_rec_testB": _refcoco("testB"),
     "refcocog_bbox_rec_val": _refcoco("val"),
     "refcocog_bbox_rec_test": _refcoco("test"),
+    # MathVista: free-form rows asked as the math task asks, multiple-choice rows as the vqa task asks
+    "mathvista_testmini": TrainingPromptTask("testmini", "mathvista", "answer", ("accuracy",), "data/harness/mathvista_testmini.parquet"),
 }
 
 _TASK_FILE = """task: {name}
@@ -81,14 +87,13 @@ output_type: generate_until
 process_docs: !function utils.{functions}_docs
 doc_to_visual: !function utils.{functions}_doc_to_visual
 doc_to_text: !function utils.{functions}_doc_to_text
-doc_to_target: bbox
+doc_to_target: {target}
 generation_kwargs:
-  vgm_task: {task}
+  vgm_sample: {functions}
 process_results: !function utils.{functions}_process_results
 metric_list:
 {metrics}metadata:
   version: 0.0
-  project_task: {task}
 """
 
 
@@ -131,7 +136,7 @@ def task_files(folder: Path, names: Sequence[str], sources: dict[str, str], prom
         variant = f"vgm_{name}"
         (folder / f"{variant}.yaml").write_text(_TASK_FILE.format(
             name=variant, split=spec.split, data=json.dumps(str(Path(data).resolve())), functions=spec.functions,
-            task=spec.task, metrics=metrics,
+            target=spec.target, metrics=metrics,
         ))  # fmt: skip
         run.append(variant)
     return run
@@ -156,6 +161,9 @@ def run_harness(
         if prompt == "stock":  # a stock task's local copy: the worker writes a task file that includes lmms-eval's
             command += [arg for name, data in sources.items() for arg in ("--local", f"{name}={Path(data).resolve()}")]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        # lmms-eval's MathVista module builds an OpenAI client when imported, which refuses to exist without a key;
+        # the training prompt's scorer never calls it (a stock task that does fails offline, as it would anyway)
+        env.setdefault("OPENAI_API_KEY", "unused-offline")
         finished = subprocess.run(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
         if finished.returncode != 0:
             last = [line for line in finished.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]

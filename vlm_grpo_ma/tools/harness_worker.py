@@ -6,15 +6,16 @@ It scores one model through ``lmms_eval.evaluator.simple_evaluate`` with ``Polic
 that is this project's ``Policy``: the prompt is encoded by ``encode_prompt`` (the one encoding every family
 shares) and answered greedily by the evaluator's own decoding (``generate_rollout``: a thought up to its budget,
 then the answer), so a benchmark item is asked exactly as training's evaluator asks it.
-- With the training prompt (a task file of ours, its generation settings naming ``vgm_task``): the task's
-  instruction follows the question, and the model's reply goes to the harness as the task's parsed prediction
+- With the training prompt (a task file of ours, its generation settings naming ``vgm_sample``): the row is read
+  as the project task's loader reads it (``SAMPLE_BUILDERS``), the task's instruction follows the question, and the model's reply goes to the harness as the task's parsed prediction
   (``Task.parse``: the ``<answer>`` read as the reward reads it; a box converted from the model's coordinate
   frame to the image's pixels by ``Completion.to_original_pixels``, the project's one conversion), as JSON.
 - With the stock prompt (a task file of lmms-eval's): the question as the task file writes it, no instruction,
   and the whole reply (thought and answer) goes to the harness, which extracts and scores as it always does.
 
 The task functions our task files name (``refcoco_docs`` ...) are here too; the task folder's ``utils.py``
-imports them.
+imports them. ``mathvista_sample`` reads rows through the math and vqa tasks' MathVista readers (private to those
+modules: one reading of the format, theirs).
 """
 
 from __future__ import annotations
@@ -39,23 +40,37 @@ def _image(cell):
 
 
 # ---------------------------------------------------------------------------------------------- task functions
+# Each benchmark with a training-prompt task file has ``<name>_sample(doc) -> (project task, Sample)``: the row as
+# the project task's own loader reads it (the model is asked the sample's question under the task's instruction),
+# and the lmms-eval functions its task file names.
+
+
+def refcoco_sample(doc):
+    """An lmms-lab RefCOCO row as the grounding task reads it: one item per box, asked with its first referring
+    expression (lmms-eval's stock ``refcoco_bbox_rec_*`` asks every expression of a box as an item of its own)."""
+    from tasks.grounding import question_for
+    from vlm_grpo_ma.task_api.registry import Sample, get_task
+
+    images = (_image(doc["image"]).convert("RGB"),) if doc.get("image") is not None else ()  # lmms-eval's
+    # doc_to_text gets the row without its images
+    answers = doc["answer"]
+    x, y, w, h = (float(v) for v in doc["bbox"])
+    meta = {"width": images[0].width, "height": images[0].height} if images else {}
+    sample = Sample("grounding", str(doc["question_id"]), question_for(answers if isinstance(answers, str) else answers[0]),
+                    images, [x, y, x + w, y + h], meta)  # fmt: skip
+    return get_task("grounding"), sample
 
 
 def refcoco_docs(dataset):
-    """One item per RefCOCO box, asked with its first referring expression, as the grounding task reads the file
-    (lmms-eval's stock ``refcoco_bbox_rec_*`` asks every expression of a box as an item of its own)."""
     return dataset
 
 
 def refcoco_doc_to_visual(doc):
-    return [_image(doc["image"]).convert("RGB")]
+    return list(refcoco_sample(doc)[1].images)
 
 
 def refcoco_doc_to_text(doc):
-    from tasks.grounding import question_for
-
-    answers = doc["answer"]
-    return question_for(answers if isinstance(answers, str) else answers[0])
+    return refcoco_sample(doc)[1].question
 
 
 def refcoco_process_results(doc, results):
@@ -65,13 +80,80 @@ def refcoco_process_results(doc, results):
 
     x, y, w, h = (float(v) for v in doc["bbox"])
     truth = [x, y, x + w, y + h]
-    try:
-        prediction = json.loads(results[0]) if results else None
-    except ValueError:
-        prediction = None
+    prediction = _prediction(results)
     box = prediction.get("box") if isinstance(prediction, dict) else None
     iou = compute_iou(box, truth) if box is not None else 0.0
     return {"iou": float(iou), "acc_iou50": float(iou >= 0.5)}
+
+
+def mathvista_sample(doc):
+    """A MathVista row as this project reads it: a ``free_form`` row by the math task's loader, a
+    ``multi_choice`` row by the vqa task's."""
+    from tasks import math as math_task
+    from tasks import vqa as vqa_task
+    from vlm_grpo_ma.task_api.registry import get_task
+
+    # lmms-eval's doc_to_text gets the row without its images: then the sample has none (its question is the same)
+    row = {**doc, "decoded_image": _cell(doc.get("decoded_image")), "image": None}
+    where = f"MathVista pid {doc['pid']}"
+    if doc["question_type"] == "multi_choice":
+        sample = vqa_task._mathvista_sample(row, str(doc["pid"]), Path("."), where, True)
+    else:
+        sample = math_task._mathvista_sample(row, str(doc["pid"]), Path("."), where)
+    return get_task(sample.task), sample
+
+
+def mathvista_docs(dataset):
+    return dataset
+
+
+def mathvista_doc_to_visual(doc):
+    return [_image(image).convert("RGB") for image in mathvista_sample(doc)[1].images]
+
+
+def mathvista_doc_to_text(doc):
+    return mathvista_sample(doc)[1].question
+
+
+def mathvista_process_results(doc, results):
+    """Accuracy by lmms-eval's MathVista scorer (``normalize_extracted_answer``, then ``safe_equal`` with the row's
+    answer) of the answer the task parsed: a free-form answer's text, or the one option letter a multiple-choice
+    answer was read as. No answer, or a choice answer read as no option or several, is wrong (the stock scorer
+    would take the choice nearest to an empty string)."""
+    from lmms_eval.tasks.mathvista.mathvista_evals import MathVistaEvaluator
+
+    prediction = _prediction(results)
+    if doc["question_type"] == "multi_choice":
+        options = prediction.get("options") if isinstance(prediction, dict) else None
+        extraction = options[0] if options and len(options) == 1 else None
+    else:
+        extraction = prediction if isinstance(prediction, str) else None
+    if extraction is None:
+        return {"accuracy": 0.0}
+    precision = int(doc["precision"]) if doc.get("precision") is not None else 0
+    normalized = MathVistaEvaluator.normalize_extracted_answer(
+        None, extraction, doc.get("choices") or [], doc["question_type"], doc["answer_type"], precision
+    )
+    return {"accuracy": float(MathVistaEvaluator.safe_equal(None, normalized, doc["answer"]))}
+
+
+SAMPLE_BUILDERS = {"refcoco": refcoco_sample, "mathvista": mathvista_sample}
+
+
+def _prediction(results):
+    try:
+        return json.loads(results[0]) if results else None
+    except ValueError:
+        return None
+
+
+def _cell(image):
+    """A PIL image as the ``{"bytes", "path"}`` cell the project's loaders read (PNG bytes); a cell as it is."""
+    if image is None or isinstance(image, (dict, str)):
+        return image
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return {"bytes": buffer.getvalue(), "path": None}
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -112,21 +194,21 @@ class PolicyModel(lmms):
         from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
         from vlm_grpo_ma.engines.rollout import generate_rollout
         from vlm_grpo_ma.model.prompts import encode_prompt
-        from vlm_grpo_ma.task_api.registry import Sample, get_task
+        from vlm_grpo_ma.task_api.registry import Sample
 
         samples, prompts, tasks = [], [], []
         for context, gen_kwargs, doc_to_visual, doc_id, task_name, split in batch:
             doc = self.task_dict[task_name][split][doc_id]
-            images = tuple(doc_to_visual(doc))
-            task = get_task(gen_kwargs["vgm_task"]) if "vgm_task" in gen_kwargs else None
-            meta = {"width": images[0].width, "height": images[0].height} if images else {}
-            sample = Sample(task=task.name if task else "harness", id=str(doc_id), question=context, images=images, answer=None, meta=meta)
+            if "vgm_sample" in gen_kwargs:  # the training prompt: the row as the project task reads it
+                task, sample = SAMPLE_BUILDERS[gen_kwargs["vgm_sample"]](doc)
+            else:  # the stock prompt: lmms-eval's question and images, no instruction
+                task, sample = None, Sample(task="harness", id=str(doc_id), question=context, images=tuple(doc_to_visual(doc)), answer=None)
             samples.append(sample)
             prompts.append(encode_prompt(self.policy, sample, task.instruction if task else ""))
             tasks.append(task)
         settings = SamplingSettings(
             temperature=0.0, max_thought_tokens=self.max_thought_tokens, max_answer_tokens=self.max_answer_tokens,
-            generators=[prompt_generators(self.seed, int(sample.id) if sample.id.isdigit() else 0, 1)[0] for sample in samples],
+            generators=[prompt_generators(self.seed, index, 1)[0] for index in range(len(samples))],  # greedy: unused
         )  # fmt: skip
         with torch.no_grad():
             rollout = generate_rollout(self.policy, samples, prompts, num_thoughts=1, num_answers=1, settings=settings)
@@ -175,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                               batch_size=args.batch_size, log_samples=True, bootstrap_iters=0, random_seed=args.seed)  # fmt: skip
     samples = {
         task: [{"doc_id": s["doc_id"], "target": s.get("target"), "response": s["resps"][0][0] if s.get("resps") else None,
-                **{k: v for k, v in s.items() if k in ("iou", "acc_iou50")}} for s in task_samples]
+                **{k: v for k, v in s.items() if k in ("iou", "acc_iou50", "accuracy")}} for s in task_samples]
         for task, task_samples in (results.get("samples") or {}).items()
     }  # fmt: skip
     payload = {"ran": ran, "results": results["results"], "versions": results.get("versions", {}), "samples": samples,
