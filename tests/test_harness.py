@@ -36,8 +36,8 @@ def test_training_prompt_task_files_name_the_project_task_and_the_local_data(tmp
     run = task_files(tmp_path, ["refcoco_bbox_rec_testA", "refcocog_bbox_rec_val"], {"refcocog_bbox_rec_val": str(FIXTURE)}, "training")
     assert run == ["vgm_refcoco_bbox_rec_testA", "vgm_refcocog_bbox_rec_val"]
     text = (tmp_path / "vgm_refcoco_bbox_rec_testA.yaml").read_text()
-    assert f'testA: "{FIXTURE}"' in text and "vgm_sample: refcoco" in text and "test_split: testA" in text
-    assert "vgm_sample: refcoco" in (tmp_path / "vgm_refcocog_bbox_rec_val.yaml").read_text()
+    assert f'testA: "{FIXTURE}"' in text and "vgm_tasks: [\"grounding\"]" in text and "test_split: testA" in text
+    assert "vgm_tasks: [\"grounding\"]" in (tmp_path / "vgm_refcocog_bbox_rec_val.yaml").read_text()
     assert "harness_worker import" in (tmp_path / "utils.py").read_text()
     assert task_files(tmp_path / "stock", ["mathvista_testmini"], {}, "stock") == ["mathvista_testmini"]  # lmms-eval's own
 

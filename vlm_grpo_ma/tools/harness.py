@@ -48,19 +48,21 @@ class HarnessError(ValueError):
 
 @dataclass(frozen=True)
 class TrainingPromptTask:
-    """An lmms-eval benchmark asked with a project task's prompt: the file's split, the task functions
-    (``<functions>_sample``, ``_docs`` ... in harness_worker.py), the row's truth column, the metrics, and the
-    shipped fixture, if any."""
+    """An lmms-eval benchmark asked with the project's prompt: the project tasks whose loaders read its rows, the
+    file's split, the column of a row's id and of its truth, the lmms-eval functions of harness_worker.py
+    (``<functions>_doc_to_visual``, ``<functions>_process_results``), the metrics, and the shipped fixture."""
 
+    tasks: tuple[str, ...]
     split: str
-    functions: str
+    id_column: str
     target: str
+    functions: str
     metrics: tuple[str, ...]
     fixture: str | None = None
 
 
 def _refcoco(split: str, fixture: str | None = None) -> TrainingPromptTask:
-    return TrainingPromptTask(split, "refcoco", "bbox", ("iou", "acc_iou50"), fixture)
+    return TrainingPromptTask(("grounding",), split, "question_id", "bbox", "refcoco", ("iou", "acc_iou50"), fixture)
 
 
 TRAINING_PROMPT_TASKS = {
@@ -73,8 +75,9 @@ TRAINING_PROMPT_TASKS = {
     "refcoco+_bbox_rec_testB": _refcoco("testB"),
     "refcocog_bbox_rec_val": _refcoco("val"),
     "refcocog_bbox_rec_test": _refcoco("test"),
-    # MathVista: free-form rows asked as the math task asks, multiple-choice rows as the vqa task asks
-    "mathvista_testmini": TrainingPromptTask("testmini", "mathvista", "answer", ("accuracy",), "data/harness/mathvista_testmini.parquet"),
+    # MathVista: the math task reads the free-form rows, the vqa task the multiple-choice ones
+    "mathvista_testmini": TrainingPromptTask(("math", "vqa"), "testmini", "pid", "answer", "mathvista", ("accuracy",),
+                                             "data/harness/mathvista_testmini.parquet"),  # fmt: skip
 }
 
 _TASK_FILE = """task: {name}
@@ -84,13 +87,13 @@ dataset_kwargs:
     {split}: {data}
 test_split: {split}
 output_type: generate_until
-process_docs: !function utils.{functions}_docs
 doc_to_visual: !function utils.{functions}_doc_to_visual
-doc_to_text: !function utils.{functions}_doc_to_text
+doc_to_text: !function utils.project_doc_to_text
 doc_to_target: {target}
-generation_kwargs:
-  vgm_sample: {functions}
-process_results: !function utils.{functions}_process_results
+lmms_eval_specific_kwargs:
+  default:
+{settings}generation_kwargs:
+{settings_generation}process_results: !function utils.{functions}_process_results
 metric_list:
 {metrics}metadata:
   version: 0.0
@@ -133,10 +136,13 @@ def task_files(folder: Path, names: Sequence[str], sources: dict[str, str], prom
         if not Path(data).is_file():
             raise HarnessError(f"--source {name}={data}: no such file")
         metrics = "".join(f"  - metric: {metric}\n    aggregation: mean\n    higher_is_better: true\n" for metric in spec.metrics)
+        source = json.dumps(str(Path(data).resolve()))
+        settings = f"vgm_tasks: {json.dumps(list(spec.tasks))}\nvgm_source: {source}\nvgm_id: {spec.id_column}\n"
         variant = f"vgm_{name}"
         (folder / f"{variant}.yaml").write_text(_TASK_FILE.format(
-            name=variant, split=spec.split, data=json.dumps(str(Path(data).resolve())), functions=spec.functions,
-            target=spec.target, metrics=metrics,
+            name=variant, split=spec.split, data=source, functions=spec.functions, target=spec.target, metrics=metrics,
+            settings="".join(f"    {line}\n" for line in settings.splitlines()),
+            settings_generation="".join(f"  {line}\n" for line in settings.splitlines()),
         ))  # fmt: skip
         run.append(variant)
     return run

@@ -6,21 +6,21 @@ It scores one model through ``lmms_eval.evaluator.simple_evaluate`` with ``Polic
 that is this project's ``Policy``: the prompt is encoded by ``encode_prompt`` (the one encoding every family
 shares) and answered greedily by the evaluator's own decoding (``generate_rollout``: a thought up to its budget,
 then the answer), so a benchmark item is asked exactly as training's evaluator asks it.
-- With the training prompt (a task file of ours, its generation settings naming ``vgm_sample``): the row is read
-  as the project task's loader reads it (``SAMPLE_BUILDERS``), the task's instruction follows the question, and the model's reply goes to the harness as the task's parsed prediction
+- With the training prompt (a task file of ours, its generation settings naming ``vgm_tasks``): the row is the
+  Sample the project task's own loader makes of it (``project_samples``), the task's instruction follows the question, and the model's reply goes to the harness as the task's parsed prediction
   (``Task.parse``: the ``<answer>`` read as the reward reads it; a box converted from the model's coordinate
   frame to the image's pixels by ``Completion.to_original_pixels``, the project's one conversion), as JSON.
 - With the stock prompt (a task file of lmms-eval's): the question as the task file writes it, no instruction,
   and the whole reply (thought and answer) goes to the harness, which extracts and scores as it always does.
 
-The task functions our task files name (``refcoco_docs`` ...) are here too; the task folder's ``utils.py``
-imports them. ``mathvista_sample`` reads rows through the math and vqa tasks' MathVista readers (private to those
-modules: one reading of the format, theirs).
+The task functions our task files name (``project_doc_to_text`` ...) are here too; the task folder's ``utils.py``
+imports them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import sys
@@ -40,37 +40,47 @@ def _image(cell):
 
 
 # ---------------------------------------------------------------------------------------------- task functions
-# Each benchmark with a training-prompt task file has ``<name>_sample(doc) -> (project task, Sample)``: the row as
-# the project task's own loader reads it (the model is asked the sample's question under the task's instruction),
-# and the lmms-eval functions its task file names.
+# A training-prompt task file names, in its generation settings and its ``lmms_eval_specific_kwargs``, the project
+# tasks that read the benchmark (``vgm_tasks``), the local file (``vgm_source``) and the column holding a row's id
+# (``vgm_id``). Each row is then the Sample those tasks' own loaders make of it (``project_samples``: one reading of
+# each format, the tasks'), asked with its task's instruction: the evaluator's exact question and images.
 
 
-def refcoco_sample(doc):
-    """An lmms-lab RefCOCO row as the grounding task reads it: one item per box, asked with its first referring
-    expression (lmms-eval's stock ``refcoco_bbox_rec_*`` asks every expression of a box as an item of its own)."""
-    from tasks.grounding import question_for
-    from vlm_grpo_ma.task_api.registry import Sample, get_task
+@functools.lru_cache(maxsize=None)
+def project_samples(tasks: tuple[str, ...], source: str) -> dict:
+    """{sample id: (task, Sample)} of ``source`` as each of ``tasks`` loads it (MathVista: the math task reads the
+    free-form rows, the vqa task the multiple-choice ones). A row a loader skipped (a broken image) is absent."""
+    from vlm_grpo_ma.task_api.registry import get_task, load_samples
 
-    images = (_image(doc["image"]).convert("RGB"),) if doc.get("image") is not None else ()  # lmms-eval's
-    # doc_to_text gets the row without its images
-    answers = doc["answer"]
-    x, y, w, h = (float(v) for v in doc["bbox"])
-    meta = {"width": images[0].width, "height": images[0].height} if images else {}
-    sample = Sample("grounding", str(doc["question_id"]), question_for(answers if isinstance(answers, str) else answers[0]),
-                    images, [x, y, x + w, y + h], meta)  # fmt: skip
-    return get_task("grounding"), sample
+    found = {}
+    for name in tasks:
+        task = get_task(name)
+        try:
+            samples = load_samples(task, "test", source)
+        except ValueError as error:  # a file with no row this task reads (MathVista without choice rows)
+            print(f"{name} reads no row of {source}: {error}", file=sys.stderr)
+            continue
+        found.update({sample.id: (task, sample) for sample in samples})
+    return found
 
 
-def refcoco_docs(dataset):
-    return dataset
+def project_sample(doc, settings: dict):
+    """(task, Sample) of the row ``doc``, or (None, None) when the task's loader skipped it."""
+    found = project_samples(tuple(settings["vgm_tasks"]), settings["vgm_source"])
+    return found.get(str(doc[settings["vgm_id"]]), (None, None))
+
+
+def project_doc_to_text(doc, lmms_eval_specific_kwargs=None):
+    _, sample = project_sample(doc, lmms_eval_specific_kwargs or {})
+    return sample.question if sample is not None else ""
 
 
 def refcoco_doc_to_visual(doc):
-    return list(refcoco_sample(doc)[1].images)
+    return [_image(doc["image"]).convert("RGB")]
 
 
-def refcoco_doc_to_text(doc):
-    return refcoco_sample(doc)[1].question
+def mathvista_doc_to_visual(doc):
+    return [_image(doc["decoded_image"]).convert("RGB")]
 
 
 def refcoco_process_results(doc, results):
@@ -84,35 +94,6 @@ def refcoco_process_results(doc, results):
     box = prediction.get("box") if isinstance(prediction, dict) else None
     iou = compute_iou(box, truth) if box is not None else 0.0
     return {"iou": float(iou), "acc_iou50": float(iou >= 0.5)}
-
-
-def mathvista_sample(doc):
-    """A MathVista row as this project reads it: a ``free_form`` row by the math task's loader, a
-    ``multi_choice`` row by the vqa task's."""
-    from tasks import math as math_task
-    from tasks import vqa as vqa_task
-    from vlm_grpo_ma.task_api.registry import get_task
-
-    # lmms-eval's doc_to_text gets the row without its images: then the sample has none (its question is the same)
-    row = {**doc, "decoded_image": _cell(doc.get("decoded_image")), "image": None}
-    where = f"MathVista pid {doc['pid']}"
-    if doc["question_type"] == "multi_choice":
-        sample = vqa_task._mathvista_sample(row, str(doc["pid"]), Path("."), where, True)
-    else:
-        sample = math_task._mathvista_sample(row, str(doc["pid"]), Path("."), where)
-    return get_task(sample.task), sample
-
-
-def mathvista_docs(dataset):
-    return dataset
-
-
-def mathvista_doc_to_visual(doc):
-    return [_image(image).convert("RGB") for image in mathvista_sample(doc)[1].images]
-
-
-def mathvista_doc_to_text(doc):
-    return mathvista_sample(doc)[1].question
 
 
 def mathvista_process_results(doc, results):
@@ -137,23 +118,11 @@ def mathvista_process_results(doc, results):
     return {"accuracy": float(MathVistaEvaluator.safe_equal(None, normalized, doc["answer"]))}
 
 
-SAMPLE_BUILDERS = {"refcoco": refcoco_sample, "mathvista": mathvista_sample}
-
-
 def _prediction(results):
     try:
         return json.loads(results[0]) if results else None
     except ValueError:
         return None
-
-
-def _cell(image):
-    """A PIL image as the ``{"bytes", "path"}`` cell the project's loaders read (PNG bytes); a cell as it is."""
-    if image is None or isinstance(image, (dict, str)):
-        return image
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return {"bytes": buffer.getvalue(), "path": None}
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -196,23 +165,29 @@ class PolicyModel(lmms):
         from vlm_grpo_ma.model.prompts import encode_prompt
         from vlm_grpo_ma.task_api.registry import Sample
 
-        samples, prompts, tasks = [], [], []
-        for context, gen_kwargs, doc_to_visual, doc_id, task_name, split in batch:
+        asked: list[tuple] = []  # (index in the batch, task, sample); a row its task's loader skipped is not asked
+        for index, (context, gen_kwargs, doc_to_visual, doc_id, task_name, split) in enumerate(batch):
             doc = self.task_dict[task_name][split][doc_id]
-            if "vgm_sample" in gen_kwargs:  # the training prompt: the row as the project task reads it
-                task, sample = SAMPLE_BUILDERS[gen_kwargs["vgm_sample"]](doc)
+            if "vgm_tasks" in gen_kwargs:  # the training prompt: the row as the project task reads it
+                task, sample = project_sample(doc, gen_kwargs)
             else:  # the stock prompt: lmms-eval's question and images, no instruction
                 task, sample = None, Sample(task="harness", id=str(doc_id), question=context, images=tuple(doc_to_visual(doc)), answer=None)
-            samples.append(sample)
-            prompts.append(encode_prompt(self.policy, sample, task.instruction if task else ""))
-            tasks.append(task)
+            if sample is not None:
+                asked.append((index, task, sample))
+        replies = ["null"] * len(batch)  # a skipped row: no answer, scored 0
+        if not asked:
+            return replies
+        samples = [sample for _, _, sample in asked]
+        prompts = [encode_prompt(self.policy, sample, task.instruction if task else "") for _, task, sample in asked]
         settings = SamplingSettings(
             temperature=0.0, max_thought_tokens=self.max_thought_tokens, max_answer_tokens=self.max_answer_tokens,
             generators=[prompt_generators(self.seed, index, 1)[0] for index in range(len(samples))],  # greedy: unused
         )  # fmt: skip
         with torch.no_grad():
             rollout = generate_rollout(self.policy, samples, prompts, num_thoughts=1, num_answers=1, settings=settings)
-        return [harness_reply(task, completion, sample) for completion, sample, task in zip(rollout.completions, samples, tasks, strict=True)]
+        for (index, task, sample), completion in zip(asked, rollout.completions, strict=True):
+            replies[index] = harness_reply(task, completion, sample)
+        return replies
 
     def loglikelihood(self, requests):
         raise NotImplementedError("PolicyModel answers generate_until tasks only")
