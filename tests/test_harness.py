@@ -147,3 +147,12 @@ def test_the_stock_prompt_runs_lmms_eval_s_own_task_file_on_a_local_copy(tmp_pat
     assert "<think>" in samples[0]["response"]  # the whole reply, for lmms-eval to extract from
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["prompt"] == "stock" and "refcoco_IoU" in results["results"]["tiny"]["refcoco_bbox_rec_testA"]
+
+
+@needs_harness
+def test_a_task_lmms_eval_does_not_know_is_one_line_naming_the_list(tmp_path, capsys):
+    code = evaluate.main(["--harness", "lmms-eval", "--prompt", "stock", "--tasks", "no_such_bench", "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        "error: lmms-eval knows no task no_such_bench (.venv-harness/bin/python -m lmms_eval --tasks list lists them)"
+    )

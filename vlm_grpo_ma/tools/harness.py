@@ -172,9 +172,11 @@ def run_harness(
         env.setdefault("OPENAI_API_KEY", "unused-offline")
         finished = subprocess.run(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
         if finished.returncode != 0:
-            last = [line for line in finished.stderr.splitlines() if line.strip()][-1:] or ["(no message)"]
-            sys.stderr.write(finished.stderr if finished.returncode != 2 else "")
-            raise HarnessError(f"lmms-eval on {model.label} failed: {last[0]}")
+            last = ([line for line in finished.stderr.splitlines() if line.strip()][-1:] or ["(no message)"])[0]
+            if finished.returncode == 2:  # the worker's own one-line refusal
+                raise HarnessError(last)
+            sys.stderr.write(finished.stderr)
+            raise HarnessError(f"lmms-eval on {model.label} failed: {last}")
         written = json.loads(raw.read_text())
         ran = dict(zip(names, (written["ran"][task] for task in run), strict=True))
         results[model.label] = {

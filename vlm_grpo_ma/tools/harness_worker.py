@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     manager = TaskManager(include_path=args.include_path)
     unknown = [name for name in args.tasks if name not in manager.all_tasks]
     if unknown:
-        print(f"error: lmms-eval knows no task {', '.join(unknown)} (lmms-eval --tasks list names them)", file=sys.stderr)
+        print(f"lmms-eval knows no task {', '.join(unknown)} (.venv-harness/bin/python -m lmms_eval --tasks list lists them)",
+              file=sys.stderr)  # fmt: skip
         return 2
     ran = {name: name for name in args.tasks}
     for pair in args.local:
