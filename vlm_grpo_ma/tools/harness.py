@@ -154,12 +154,14 @@ def run_harness(
 ) -> dict:  # fmt: skip
     """Score every model (``evaluate.ModelSpec``) on every task through lmms-eval; write and return the results."""
     python = harness_python()
+    output_dir = output_dir.resolve()  # the worker runs in the checkout, wherever this command was started
     run = task_files(output_dir / "lmms-eval" / "tasks", names, sources, prompt)
     source = f"lmms-eval {HARNESS_VERSION}, {prompt} prompt"
     results: dict[str, dict[str, dict[str, float]]] = {}
     for model in models:
         raw = output_dir / "lmms-eval" / f"{model.label.replace('/', '_')}.json"
-        command = [str(python), "-m", "vlm_grpo_ma.tools.harness_worker", "--model", model.path, "--tasks", *run,
+        model_path = str(Path(model.path).resolve()) if Path(model.path).exists() else model.path  # a folder, or a hub id
+        command = [str(python), "-m", "vlm_grpo_ma.tools.harness_worker", "--model", model_path, "--tasks", *run,
                    "--include-path", str(output_dir / "lmms-eval" / "tasks"), "--output", str(raw), "--batch-size", str(batch_size),
                    "--max-thought-tokens", str(max_thought_tokens), "--max-answer-tokens", str(max_answer_tokens), "--seed", str(seed)]  # fmt: skip
         if limit:
