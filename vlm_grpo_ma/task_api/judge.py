@@ -266,8 +266,15 @@ class Judge:
 
     # -------------------------------------------------------------------------------------------- verdicts
 
-    def cache_key(self, query: JudgeQuery) -> str:
-        image = _file_digest(query.image) if self.send_images and query.image else None
+    def cache_key(self, query: JudgeQuery, digests: dict | None = None) -> str:
+        """The verdict's key. ``digests``: image path -> digest already read in this call (a step's K x M answers
+        share their prompt's image: it is read and hashed once, not once per answer)."""
+        image = None
+        if self.send_images and query.image:
+            digests = {} if digests is None else digests
+            if query.image not in digests:
+                digests[query.image] = _file_digest(query.image)
+            image = digests[query.image]
         identity = [TEMPLATE_VERSION, self.verdict_format, self.constrain_verdict, self.model, query.question,
                     normalised_answer(query.answer), sorted(query.references), image]  # fmt: skip
         return hashlib.sha256(json.dumps(identity, ensure_ascii=True).encode()).hexdigest()
@@ -279,6 +286,7 @@ class Judge:
         stats = JudgeStats()
         results: list[float | None] = [None] * len(queries)
         keyed: dict[str, list[int]] = {}
+        digests: dict = {}
         for index, query in enumerate(queries):
             if query is None:
                 continue
@@ -286,7 +294,7 @@ class Judge:
             if len(normalised_answer(query.answer)) > self.max_answer_chars:
                 stats.overlong += 1
                 continue
-            keyed.setdefault(self.cache_key(query), []).append(index)
+            keyed.setdefault(self.cache_key(query, digests), []).append(index)
         cached = self._use_cache(lambda cache: cache.get(list(keyed)), {})
         to_ask = {key: indices for key, indices in keyed.items() if key not in cached}
         fresh = self._ask_all({key: queries[indices[0]] for key, indices in to_ask.items()}, started + deadline_s, stats)
