@@ -46,7 +46,7 @@ def _image(cell):
 # each format, the tasks'), asked with its task's instruction: the evaluator's exact question and images.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def project_samples(tasks: tuple[str, ...], source: str) -> dict:
     """{sample id: (task, Sample)} of ``source`` as each of ``tasks`` loads it (MathVista: the math task reads the
     free-form rows, the vqa task the multiple-choice ones). A row a loader skipped (a broken image) is absent."""
