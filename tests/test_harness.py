@@ -7,7 +7,6 @@ scored by the harness against hand-computed IoU."""
 import json
 import subprocess
 import textwrap
-from pathlib import Path
 
 import pytest
 

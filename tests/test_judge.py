@@ -12,7 +12,14 @@ import socket
 import pytest
 from judge_server import JudgeServer, read_template
 
-from vlm_grpo_ma.task_api.judge import Judge, JudgeQuery, JudgeUnavailable, judge_messages, normalised_answer, parse_verdict
+from vlm_grpo_ma.task_api.judge import (
+    Judge,
+    JudgeQuery,
+    JudgeUnavailable,
+    judge_messages,
+    normalised_answer,
+    parse_verdict,
+)
 
 QUESTION = "What is unusual here?"
 REFERENCES = ("the red circle", "one circle is red")

@@ -38,11 +38,11 @@ from vlm_grpo_ma.run.config import ConfigError, JudgeConfig, ModelConfig, check_
 from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.evaluation import EvalSettings, draw_predictions, evaluate_task
 from vlm_grpo_ma.run.judge_setup import judge_for
-from vlm_grpo_ma.tools.harness import PROMPTS, run_harness
-from vlm_grpo_ma.tools.harness import results_table as results_table_with_source
 from vlm_grpo_ma.run.run_dir import CONFIG_FILE, read_saved_config
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules, load_samples
 from vlm_grpo_ma.task_api.videos import VideoBudget
+from vlm_grpo_ma.tools.harness import PROMPTS, run_harness
+from vlm_grpo_ma.tools.harness import results_table as results_table_with_source
 
 log = logging.getLogger("vlm_grpo_ma.evaluate")
 
