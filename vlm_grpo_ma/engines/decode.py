@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -26,11 +27,15 @@ from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.logprobs import _policy_logprobs
 from vlm_grpo_ma.model.prompts import (
     EncodedPrompt,
+    ToolTurn,
     VisionGrids,
     _encode_images,
+    _encode_vision,
     _left_pad,
+    _right_pad,
     _rope_positions,
     _vision_inputs,
+    continued_positions,
 )
 
 # Each prompt samples from a torch generator seeded with (train.seed * SEED_STRIDE + step) * SEED_STRIDE +
@@ -52,6 +57,16 @@ class TreeSample:
     answer_logprobs: list[list[float]]
     answer_truncated: list[bool]
     vision_images_encoded: int = 0
+    # Tool use (tasks with tools): each thought's tool turns (``model.prompts.ToolTurn``; their tokens lie in
+    # ``thought_ids`` at ``turn.start``, forced), and whether it called past ``max_turns`` (left out of the loss)
+    thought_turns: list[list[ToolTurn]] | None = None
+    thought_over_turns: list[bool] | None = None
+
+    def __post_init__(self):
+        if self.thought_turns is None:
+            self.thought_turns = [[] for _ in self.thought_ids]
+        if self.thought_over_turns is None:
+            self.thought_over_turns = [False] * len(self.thought_ids)
 
 
 @dataclass
@@ -68,6 +83,7 @@ class SamplingSettings:
     top_p: float = 1.0
     max_thought_tokens: int = 64
     max_answer_tokens: int = 32
+    max_turns: int = 0  # tool calls a thought may make (its task's tools); one more closes it as over-turn
     thought_stop: str = "</think>"
     answer_stop: str = "</answer>"
     # One generator per prompt: prompt p's rows (its K thoughts, then its K*M answers) draw from generators[p]
@@ -131,6 +147,18 @@ def _step(policy: Policy, state: _DecodeState, tokens: torch.Tensor, real: torch
     return out.logits[:, -1, :]
 
 
+class ToolCalls(Protocol):
+    """How the sampler serves the tool calls of a tree's thoughts (``engines.tool_server.ToolServer``)."""
+
+    stop_text: str  # the text that ends a call
+
+    def serves(self, row: int) -> bool:
+        """Whether thought row ``row``'s task declares tools (only such rows stop at a call)."""
+
+    def respond(self, row: int, call_ids: list[int]) -> ToolTurn:
+        """The turn that answers the call ending ``call_ids`` (the row's own tokens since its last turn)."""
+
+
 def _decode(
     policy: Policy,
     state: _DecodeState,
@@ -139,11 +167,19 @@ def _decode(
     stop_text: str,
     forced_suffix: list[int] | None,
     settings: SamplingSettings,
+    tools: ToolCalls | None = None,
 ):
     """Decode every row until ``stop_text`` appears in its text, an EOS, or ``max_tokens``.
 
     With ``forced_suffix`` (token ids), a row that has not stopped when only ``len(forced_suffix)`` tokens
     remain gets those tokens forced (not sampled), so that every row ends with the stop text.
+
+    With ``tools`` (thoughts only), a row whose task has tools and that ends a tool call gets the call's result
+    fed as a block of context tokens (``_feed_turns``: rows without one feed masked pads and go on at their next
+    token), and decoding goes on. The block counts against ``max_tokens``; a result that does not fit truncates
+    the thought, and a call past ``settings.max_turns`` closes it with the forced suffix (an over-turn thought).
+    Returns (tokens, log-probs, forced flags: True on every token the policy did not sample, tool-result tokens
+    included, truncated, each row's turns, each row's over-turn flag).
     Leaves ``state.logits`` as the next-token logits after each row's last real token.
     """
     n = state.logits.shape[0]
@@ -151,54 +187,113 @@ def _decode(
     tokens_out: list[list[int]] = [[] for _ in range(n)]
     logprobs_out: list[list[float]] = [[] for _ in range(n)]
     forced_out: list[list[bool]] = [[] for _ in range(n)]
+    turns_out: list[list[ToolTurn]] = [[] for _ in range(n)]
+    over_turns = [False] * n
     truncated = [False] * n
     done = [False] * n
+    suffix_at: list[int | None] = [None] * n  # the next forced-suffix token of a row being closed
     pad = torch.full((n,), policy.pad_token_id, dtype=torch.long)
     final_logits = state.logits.clone()
     suffix_len = len(forced_suffix) if forced_suffix else 0
-    stop_candidates = policy.stop_candidates(stop_text)
-    for step in range(max_tokens):
+    stops = [(stop_text, policy.stop_candidates(stop_text))]
+    if tools is not None:
+        stops.append((tools.stop_text, policy.stop_candidates(tools.stop_text)))
+    for _ in range(max_tokens):
         sampled, sampled_logprobs = _sample_tokens(state.logits, settings, policy.suppressed_token_ids)
         sampled, sampled_logprobs = sampled.cpu(), sampled_logprobs.float().cpu()
         real = torch.tensor([not d for d in done])
         tokens = torch.where(real, sampled, pad)
         # read once as Python lists: indexing a tensor element by element costs microseconds a call
         sampled_tokens, sampled_values = sampled.tolist(), sampled_logprobs.tolist()
+        pending: dict[int, ToolTurn] = {}
         for row in range(n):
             if done[row]:
                 continue
-            forcing = forced_suffix is not None and (
-                forced_out[row] and forced_out[row][-1] or step >= max_tokens - suffix_len
-            )
-            if forcing:
-                token = forced_suffix[sum(forced_out[row])]
-                tokens[row] = token
-            else:
-                token = sampled_tokens[row]
+            if suffix_at[row] is None and forced_suffix is not None and len(tokens_out[row]) >= max_tokens - suffix_len:
+                suffix_at[row] = 0
+            forcing = suffix_at[row] is not None
+            token = forced_suffix[suffix_at[row]] if forcing else sampled_tokens[row]
+            tokens[row] = token
             tokens_out[row].append(token)
             logprobs_out[row].append(0.0 if forcing else sampled_values[row])
-            forced_out[row].append(bool(forcing))
+            forced_out[row].append(forcing)
             if forcing:
-                if sum(forced_out[row]) == suffix_len:
-                    done[row] = truncated[row] = True
-            elif token in eos or (token in stop_candidates and stop_text in policy.tokenizer.decode(tokens_out[row][-8:])):
+                suffix_at[row] += 1
+                if suffix_at[row] == suffix_len:
+                    done[row] = True
+                    truncated[row] = not over_turns[row]
+                continue
+            if token in eos:
                 done[row] = True
+                continue
+            stop = _stop_reached(policy, tokens_out[row], token, stops)
+            if stop == stop_text:
+                done[row] = True
+            elif stop is not None and tools.serves(row):
+                since = turns_out[row][-1].start + len(turns_out[row][-1].ids) if turns_out[row] else 0
+                if len(turns_out[row]) >= settings.max_turns:
+                    over_turns[row], suffix_at[row] = True, 0  # closed now: "</think>" follows the call
+                    continue
+                turn = tools.respond(row, tokens_out[row][since:])
+                if len(tokens_out[row]) + len(turn.ids) + suffix_len > max_tokens:
+                    suffix_at[row] = 0  # the result does not fit in the thought's budget: truncated
+                    continue
+                pending[row] = turn
         logits = _step(policy, state, tokens, real)
         finished_now = torch.tensor([d for d in done]) & real
         final_logits[finished_now.to(final_logits.device)] = logits[finished_now.to(logits.device)]
         state.logits = torch.where(real[:, None].to(logits.device), logits, state.logits)
+        if pending:
+            _feed_turns(policy, state, pending)
+            for row, turn in pending.items():
+                turns_out[row].append(dataclasses.replace(turn, start=len(tokens_out[row])))
+                tokens_out[row].extend(turn.ids)
+                logprobs_out[row].extend([0.0] * len(turn.ids))
+                forced_out[row].extend([True] * len(turn.ids))
         if all(done):
             break
     for row in range(n):
         if not done[row]:
             truncated[row] = True
     state.logits = torch.where(torch.tensor(done)[:, None].to(final_logits.device), final_logits, state.logits)
-    return tokens_out, logprobs_out, forced_out, truncated
+    return tokens_out, logprobs_out, forced_out, truncated, turns_out, over_turns
+
+
+def _stop_reached(policy: Policy, row_tokens: list[int], token: int, stops) -> str | None:
+    """The stop text that ``token`` completes at the end of ``row_tokens``, or None (each token is at least one
+    character, so the last ``len(text)`` tokens hold the text if it just ended)."""
+    for text, candidates in stops:
+        if token in candidates and text in policy.tokenizer.decode(row_tokens[-len(text) :]):
+            return text
+    return None
+
+
+def _feed_turns(policy: Policy, state: _DecodeState, pending: dict[int, ToolTurn]) -> None:
+    """Feed each pending row's tool turn as one right-padded block (the other rows feed masked pads), the turns'
+    images through the vision tower in one call; the row's next-token logits become those after its turn."""
+    device = policy.device
+    n = state.logits.shape[0]
+    rows = sorted(pending)
+    ids, block_mask = _right_pad([pending[r].ids if r in pending else [] for r in range(n)], policy.pad_token_id)
+    ids, block_mask = ids.to(device), block_mask.to(device)
+    state.attention_mask = torch.cat([state.attention_mask, block_mask], dim=1)
+    mark_block(state.cache, block_mask)
+    turns = [pending[r] for r in rows]
+    _, _, turn_vision = _encode_vision(policy, [], turns)
+    grid = torch.cat([t.image_grid_thw for t in turns])
+    positions, state.next_position = continued_positions(policy, ids, block_mask, grid, state.next_position)
+    hidden = policy.model.model(
+        input_ids=ids, attention_mask=state.attention_mask, position_ids=positions, use_cache=True,
+        **_cache_argument(policy.model.model, state.cache), **_vision_inputs(None if turn_vision is None else {"image": turn_vision}),
+    ).last_hidden_state  # fmt: skip
+    index = torch.tensor(rows, device=device)
+    last = block_mask[index].sum(dim=1) - 1
+    state.logits[index] = policy.model.lm_head(hidden[index, last]).to(state.logits.dtype)
 
 
 def decode_answers(policy: Policy, state: _DecodeState, settings: SamplingSettings):
     """Decode one answer per row of ``state`` (stop at ``settings.answer_stop``, EOS or the token limit)."""
-    return _decode(
+    tokens, logprobs, _, truncated, _, _ = _decode(
         policy,
         state,
         max_tokens=settings.max_answer_tokens,
@@ -206,6 +301,7 @@ def decode_answers(policy: Policy, state: _DecodeState, settings: SamplingSettin
         forced_suffix=None,
         settings=settings,
     )
+    return tokens, logprobs, truncated
 
 
 def _repeat_rows(state: _DecodeState, repeats: int) -> None:
@@ -262,8 +358,10 @@ def sample_tree(
     num_thoughts: int,
     num_answers: int,
     settings: SamplingSettings,
+    tools: ToolCalls | None = None,
 ) -> TreeSample:
-    """K thoughts per prompt, then M answers per thought from the thought's KV cache."""
+    """K thoughts per prompt, then M answers per thought from the thought's KV cache. With ``tools``, thoughts
+    may call their task's tools; the M answers branch after the thought's last turn."""
     device = policy.device
     settings = _generators_on(settings, device)
     ids, mask = _left_pad([p.input_ids for p in prompts], policy.pad_token_id)
@@ -274,16 +372,17 @@ def sample_tree(
     state = prefill(policy, ids, mask, grids, capacity=capacity, **_vision_inputs(vision))
     _repeat_rows(state, num_thoughts)
     close_ids = policy.tokenizer.encode(settings.thought_stop, add_special_tokens=False)
-    thought_ids, thought_logprobs, thought_forced, thought_truncated = _decode(
+    thought_ids, thought_logprobs, thought_forced, thought_truncated, thought_turns, thought_over_turns = _decode(
         policy,
         state,
         max_tokens=settings.max_thought_tokens,
         stop_text=settings.thought_stop,
         forced_suffix=close_ids,
         settings=settings,
+        tools=tools,
     )
     _repeat_rows(state, num_answers)
-    answer_ids, answer_logprobs, _, answer_truncated = decode_answers(policy, state, settings)
+    answer_ids, answer_logprobs, answer_truncated = decode_answers(policy, state, settings)
     return TreeSample(
         thought_ids=thought_ids,
         thought_logprobs=thought_logprobs,
@@ -293,5 +392,7 @@ def sample_tree(
         answer_ids=answer_ids,
         answer_logprobs=answer_logprobs,
         answer_truncated=answer_truncated,
-        vision_images_encoded=grids.count,
+        vision_images_encoded=grids.count + sum(t.num_images for turns in thought_turns for t in turns),
+        thought_turns=thought_turns,
+        thought_over_turns=thought_over_turns,
     )

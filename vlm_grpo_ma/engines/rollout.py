@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from vlm_grpo_ma.engines.decode import SamplingSettings, TreeSample, sample_tree
+from vlm_grpo_ma.engines.tool_server import ToolServer
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import EncodedPrompt
 from vlm_grpo_ma.task_api.registry import Completion, Sample
@@ -35,11 +36,16 @@ class Rollout:
     def answers_void(self, thought_row: int, truncated_thoughts: str) -> bool:
         """Whether the answers after thought ``thought_row`` are scored 0 by rule rather than by their task,
         and so are not trained on: the thought ended the model's turn (its answers continue past the end of
-        the turn), or it was truncated and ``truncated_thoughts == "zero"`` (the 0 is the thought's penalty for
+        the turn), it called a tool past ``rollout.max_turns`` (over-turn: it and its answers are left out of the
+        loss, as Mini-o3 masks them), or it was truncated and ``truncated_thoughts == "zero"`` (the 0 is the thought's penalty for
         running out of tokens; it says nothing about the answers, so their tokens get no gradient from it).
         The thought's own tokens still are trained: their advantage carries the penalty."""
         tree = self.tree
-        return tree.thought_ended_turn[thought_row] or (truncated_thoughts == "zero" and tree.thought_truncated[thought_row])
+        return (
+            tree.thought_ended_turn[thought_row]
+            or tree.thought_over_turns[thought_row]
+            or (truncated_thoughts == "zero" and tree.thought_truncated[thought_row])
+        )
 
     def indices(self, answer_row: int) -> tuple[int, int, int]:
         """(prompt b, thought k, answer m) of an answer row."""
@@ -80,8 +86,10 @@ def generate_rollout(
     num_answers: int,
     settings: SamplingSettings,
 ) -> Rollout:
-    """The HF engine's rollout: ``decode.sample_tree`` (KV-branching decode loop) as a Rollout."""
-    tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=settings)
+    """The HF engine's rollout: ``decode.sample_tree`` (KV-branching decode loop) as a Rollout; thoughts call their
+    tasks' tools through a ``ToolServer``."""
+    tools = ToolServer.for_rollout(policy, samples, prompts, num_thoughts, settings.max_turns)
+    tree = sample_tree(policy, prompts, num_thoughts=num_thoughts, num_answers=num_answers, settings=settings, tools=tools)
     return rollout_from_tree(policy, samples, prompts, tree, num_thoughts=num_thoughts, num_answers=num_answers)
 
 
@@ -96,7 +104,7 @@ def rollout_from_tree(
 ) -> Rollout:
     """A Rollout of a sampled tree, whichever engine sampled it: the token ids decoded into completions."""
     decode = policy.tokenizer.decode
-    thought_texts = [decode(ids, skip_special_tokens=False) for ids in tree.thought_ids]
+    thought_texts = [decode(readable_thought_ids(ids, turns), skip_special_tokens=False) for ids, turns in zip(tree.thought_ids, tree.thought_turns, strict=True)]
     special = set(policy.eos_token_ids) | {policy.pad_token_id}
     completions = []
     for a, answer_ids in enumerate(tree.answer_ids):
@@ -111,6 +119,22 @@ def rollout_from_tree(
                 original_sizes=prompts[b].original_sizes,
                 thought_truncated=tree.thought_truncated[t],
                 answer_truncated=tree.answer_truncated[a],
+                tool_calls=len(tree.thought_turns[t]) + int(tree.thought_over_turns[t]),
+                invalid_tool_calls=sum(turn.error for turn in tree.thought_turns[t]),
+                tool_images=sum(turn.num_images for turn in tree.thought_turns[t]),
+                tool_boxes=tuple(box for turn in tree.thought_turns[t] for box in turn.boxes),
             )
         )
     return Rollout(list(samples), list(prompts), num_thoughts, num_answers, tree, completions)
+
+
+def readable_thought_ids(thought_ids: list[int], turns) -> list[int]:
+    """A thought's ids with each tool turn's images collapsed to one placeholder each (its unexpanded form): the
+    text rewards, records and tables read, without hundreds of vision placeholders."""
+    if not turns:
+        return thought_ids
+    ids, at = [], 0
+    for turn in turns:
+        ids += thought_ids[at : turn.start] + turn.unexpanded_ids
+        at = turn.start + len(turn.ids)
+    return ids + thought_ids[at:]

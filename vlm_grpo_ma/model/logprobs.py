@@ -15,13 +15,18 @@ from vlm_grpo_ma.model.linear_attention import mark_block
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import (
     EncodedPrompt,
+    ToolTurn,
     VisionGrids,
-    _encode_images,
+    _encode_vision,
+    _joined_items,
+    _no_grid,
     _right_pad,
     _rope_positions,
     _select_vision_rows,
     _vision_inputs,
+    _vision_items,
     _zero_of,
+    continued_positions,
     idle_vision_term,
 )
 
@@ -46,14 +51,16 @@ class CompletionScorer(torch.nn.Module):
         self._policy = policy
         self.share_prefixes = share_prefixes
 
-    def forward(self, prompts, row_prompt, completions, thought_lengths, *, temperature: float) -> torch.Tensor:
-        """Log-probs [N, T] of training rows (a thought + answer after prompt ``row_prompt[r]``): through the KV
-        cache, each prompt and thought encoded once (``shared_prefix_logprobs``), or with ``share_prefixes``
-        off (gradient checkpointing drops the cache) by re-encoding every row (``sequence_logprobs``). The two
-        agree."""
+    def forward(self, prompts, row_prompt, completions, thought_lengths, *, temperature: float, thought_turns=None) -> torch.Tensor:
+        """Log-probs [N, T] of training rows (a thought + answer after prompt ``row_prompt[r]``; the thought's tool
+        turns ``thought_turns[r]``, their images included): through the KV cache, each prompt and thought encoded
+        once (``shared_prefix_logprobs``), or with ``share_prefixes`` off (gradient checkpointing drops the cache)
+        by re-encoding every row (``sequence_logprobs``). The two agree."""
         if self.share_prefixes:
-            return shared_prefix_logprobs(self._policy, prompts, row_prompt, completions, thought_lengths, temperature=temperature)
-        return sequence_logprobs(self._policy, prompts, row_prompt, completions, temperature=temperature)
+            return shared_prefix_logprobs(
+                self._policy, prompts, row_prompt, completions, thought_lengths, temperature=temperature, thought_turns=thought_turns
+            )
+        return sequence_logprobs(self._policy, prompts, row_prompt, completions, temperature=temperature, thought_turns=thought_turns)
 
 
 def sequence_logprobs(
@@ -63,10 +70,12 @@ def sequence_logprobs(
     completions: Sequence[Sequence[int]],
     *,
     temperature: float,
+    thought_turns: Sequence[Sequence[ToolTurn]] | None = None,
 ) -> torch.Tensor:
     """Log-probs of each row's completion tokens given its prompt: rows are prompt ``row_prompt[r]`` followed
-    by ``completions[r]``. Images are encoded once per prompt and shared by the rows (gradients flow back to
-    the vision tower). Returns [N, T] (T = longest completion; padding positions hold 0).
+    by ``completions[r]``, whose tool turns (``thought_turns[r]``) carry the images after the prompt's. Images
+    are encoded once per prompt and shared by the rows (gradients flow back to the vision tower). Returns [N, T]
+    (T = longest completion; padding positions hold 0).
     """
     device = policy.device
     width_prompt = [len(prompts[p].input_ids) for p in row_prompt]
@@ -76,11 +85,15 @@ def sequence_logprobs(
     ids, mask = _right_pad([prompts[p].input_ids + list(c) for p, c in zip(row_prompt, completions, strict=True)], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
     used = sorted(set(row_prompt))
-    vision, _ = _encode_images(policy, [prompts[p] for p in used])
+    turns_of_row = [list(turns) for turns in thought_turns] if thought_turns is not None else [[] for _ in row_prompt]
+    all_turns = [turn for turns in turns_of_row for turn in turns]
+    vision, _, turn_vision = _encode_vision(policy, [prompts[p] for p in used], all_turns)
     # no image in this micro-batch: the tower runs anyway, where it would have run (see idle_vision_term)
-    idle_vision = idle_vision_term(policy) if vision is None else None
+    idle_vision = idle_vision_term(policy) if vision is None and turn_vision is None else None
     row_vision = _select_vision_rows(vision, [prompts[p] for p in used], [used.index(p) for p in row_prompt])
     grids = VisionGrids.of([prompts[p] for p in row_prompt]).to(device)
+    if turn_vision is not None:  # each row's images: its prompt's, then its turns', as its tokens hold them
+        row_vision, grids = _with_turn_images(vision, turn_vision, [prompts[p] for p in used], row_prompt, used, turns_of_row, row_vision, grids)
     positions = _rope_positions(policy, ids, mask, grids)
     hidden = policy.model.model(
         input_ids=ids, attention_mask=mask, position_ids=positions, **_vision_inputs(row_vision)
@@ -99,14 +112,50 @@ def sequence_logprobs(
     logprobs = _token_logprobs(policy, picked, targets, temperature)
     if idle_vision is not None:
         logprobs = logprobs + idle_vision
-    return logprobs.masked_fill(~valid, 0.0)
+    return _without_context(logprobs.masked_fill(~valid, 0.0), thought_turns)
 
 
-def _continue_block(policy: Policy, cache, mask: torch.Tensor, next_position: torch.Tensor, rows: Sequence[Sequence[int]]):
+def _without_context(logprobs: torch.Tensor, thought_turns) -> torch.Tensor:
+    """``logprobs`` [N, T] with the tool turns' tokens at 0, as padding: they are context the model did not
+    write (weight 0 in the loss), and some of them, such as the image placeholders, are tokens the policy may
+    never sample, whose -inf would make NaN of the loss's ratios even at weight 0."""
+    if thought_turns is None or not any(thought_turns):
+        return logprobs
+    context = torch.zeros(logprobs.shape, dtype=torch.bool)
+    for r, turns in enumerate(thought_turns):
+        for turn in turns:
+            context[r, turn.start : turn.start + len(turn.ids)] = True
+    return logprobs.masked_fill(context.to(logprobs.device), 0.0)
+
+
+def _with_turn_images(vision, turn_vision, used_prompts, row_prompt, used, turns_of_row, row_vision, grids):
+    """(The rows' vision inputs, their grids) with each row's tool-turn images after its prompt's images."""
+    joined = _joined_items(vision["image"] if vision is not None and "image" in vision else None, turn_vision)
+    counts = [p.image_grid_thw.shape[0] for p in used_prompts]
+    first = [sum(counts[:i]) for i in range(len(counts))]
+    order, next_turn_image = [], sum(counts)
+    for r, p in enumerate(row_prompt):
+        u = used.index(p)
+        order += range(first[u], first[u] + counts[u])
+        row_turn_images = sum(turn.num_images for turn in turns_of_row[r])
+        order += range(next_turn_image, next_turn_image + row_turn_images)
+        next_turn_image += row_turn_images
+    row_vision = dict(row_vision or {})
+    row_vision["image"] = _vision_items(joined, order)
+    image_grid = torch.cat(
+        [_no_grid(), *(torch.cat([used_prompts[used.index(p)].image_grid_thw, *(t.image_grid_thw for t in turns)]) for p, turns in zip(row_prompt, turns_of_row, strict=True))]
+    ).to(grids.image.device)  # fmt: skip
+    return row_vision, VisionGrids(image_grid, grids.video, grids.video_seconds)
+
+
+def _continue_block(
+    policy: Policy, cache, mask: torch.Tensor, next_position: torch.Tensor, rows: Sequence[Sequence[int]], images=None
+):
     """Feed one right-padded block of tokens per row after what ``cache`` holds (it grows in place).
-    ``mask`` [N, L] is the cache's attention mask, ``next_position`` [N] each row's next text position.
-    Returns (hidden states [N, max(W, 1), H], the mask extended to [N, L + max(W, 1)]); W = 0 feeds one
-    masked pad column."""
+    ``mask`` [N, L] is the cache's attention mask, ``next_position`` [N] each row's next position; ``images``
+    (the block's image grids [n, 3] in row order, their vision outputs) when the block holds tool-turn images.
+    Returns (hidden states [N, max(W, 1), H], the mask extended to [N, L + max(W, 1)], each row's next
+    position); W = 0 feeds one masked pad column."""
     device = policy.device
     ids, block_mask = _right_pad(rows, policy.pad_token_id)
     if ids.shape[1] == 0:
@@ -119,13 +168,13 @@ def _continue_block(policy: Policy, cache, mask: torch.Tensor, next_position: to
     ids, block_mask = ids.to(device), block_mask.to(device)
     mask = torch.cat([mask, block_mask], dim=1)
     mark_block(cache, block_mask)
-    # text after the image: the three mRoPE components are equal
-    positions = (next_position[:, None] + torch.arange(ids.shape[1], device=device)[None, :])[None].expand(3, -1, -1)
+    grid, vision = images if images is not None else (_no_grid().to(device), None)
+    positions, next_position = continued_positions(policy, ids, block_mask, grid, next_position)
     hidden = policy.model.model(
         input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-        **_cache_argument(policy.model.model, cache),
-    ).last_hidden_state
-    return hidden, mask
+        **_cache_argument(policy.model.model, cache), **_vision_inputs(None if vision is None else {"image": vision}),
+    ).last_hidden_state  # fmt: skip
+    return hidden, mask, next_position
 
 
 def shared_prefix_logprobs(
@@ -136,11 +185,13 @@ def shared_prefix_logprobs(
     thought_lengths: Sequence[int],
     *,
     temperature: float,
+    thought_turns: Sequence[Sequence[ToolTurn]] | None = None,
 ) -> torch.Tensor:
     """What ``sequence_logprobs`` returns, computed the way the rollout samples: each prompt once, each
-    distinct thought once on its prompt's KV cache, each answer on its thought's cache. Row r's completion is
-    the thought ``completions[r][:thought_lengths[r]]`` followed by its answer; rows with the same prompt and
-    thought share that computation, and gradients flow back through the cache into it.
+    distinct thought once on its prompt's KV cache (its tool turns ``thought_turns[r]`` and their images
+    included), each answer on its thought's cache. Row r's completion is the thought
+    ``completions[r][:thought_lengths[r]]`` followed by its answer; rows with the same prompt and thought share
+    that computation, and gradients flow back through the cache into it.
 
     Re-encoding rows instead encodes a prompt (its image tokens included) K*M times and each thought M times;
     with the embedded model's T4A4 rows that is about 5x the tokens. transformers drops the cache under
@@ -155,14 +206,17 @@ def shared_prefix_logprobs(
     prompt_of_thought = [used.index(p) for p, _ in thought_keys]
     thoughts = [list(thought) for _, thought in thought_keys]
     answers = [list(c[t:]) for c, t in zip(completions, thought_lengths, strict=True)]
+    first_row = {i: r for r, i in reversed(list(enumerate(thought_of_row)))}
+    turns = [list(thought_turns[first_row[i]]) if thought_turns is not None else [] for i in range(len(thoughts))]
 
     # 1. The distinct prompts, right-padded: every attention row keeps a real key (left padding would leave
     # fully masked rows, whose NaN-prone softmax would now sit on the backward path).
     ids, mask = _right_pad([prompts[p].input_ids for p in used], policy.pad_token_id)
     ids, mask = ids.to(device), mask.to(device)
-    vision, grids = _encode_images(policy, [prompts[p] for p in used])
+    # the prompts' images and the thoughts' tool-turn images in one call of the tower
+    vision, grids, turn_vision = _encode_vision(policy, [prompts[p] for p in used], [t for ts in turns for t in ts])
     # no image in this micro-batch: the tower runs anyway, where it would have run (see idle_vision_term)
-    idle_vision = idle_vision_term(policy) if vision is None else None
+    idle_vision = idle_vision_term(policy) if vision is None and turn_vision is None else None
     positions = _rope_positions(policy, ids, mask, grids)
     cache = new_cache(policy)
     mark_block(cache, mask)
@@ -176,14 +230,16 @@ def shared_prefix_logprobs(
     # 2. Each distinct thought on its prompt's cache.
     select = torch.tensor(prompt_of_thought, device=device)
     cache.reorder_cache(select)  # index_select: differentiable, gradients of all K thoughts add up in the prompt
-    thought_hidden, mask = _continue_block(policy, cache, mask[select], next_position[select], thoughts)
+    turn_images = None
+    if turn_vision is not None:
+        turn_images = (torch.cat([t.image_grid_thw for ts in turns for t in ts]).to(device), turn_vision)
+    thought_hidden, mask, next_position = _continue_block(policy, cache, mask[select], next_position[select], thoughts, turn_images)
     thought_length = torch.tensor([len(t) for t in thoughts], device=device)
-    next_position = next_position[select] + thought_length
 
     # 3. Each answer on its thought's cache, without its last token (whose output predicts nothing scored).
     select = torch.tensor(thought_of_row, device=device)
     cache.reorder_cache(select)
-    answer_hidden, _ = _continue_block(policy, cache, mask[select], next_position[select], [a[:-1] for a in answers])
+    answer_hidden, _, _ = _continue_block(policy, cache, mask[select], next_position[select], [a[:-1] for a in answers])
 
     # The hidden state that predicts each scored token: thought token 0 <- the prompt's last position, thought
     # token j <- thought position j - 1, answer token 0 <- the thought's last position (the prompt's for an
@@ -210,7 +266,7 @@ def shared_prefix_logprobs(
     unused = _zero_of(thought_hidden) + _zero_of(answer_hidden)
     if idle_vision is not None:
         unused = unused + idle_vision
-    return torch.stack(rows) + unused
+    return _without_context(torch.stack(rows) + unused, thought_turns)
 
 
 def _token_logprobs(policy: Policy, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

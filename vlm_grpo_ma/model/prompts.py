@@ -14,7 +14,7 @@ from PIL import Image
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.task_api.coords import Size
 from vlm_grpo_ma.task_api.images import ImageLoadError, decode_image
-from vlm_grpo_ma.task_api.registry import Sample
+from vlm_grpo_ma.task_api.registry import Sample, task_tools
 from vlm_grpo_ma.task_api.videos import DecodedVideo, VideoLoadError, decode_video
 
 
@@ -84,18 +84,22 @@ def prompt_messages(sample: Sample, instruction: str) -> list[dict]:
 OPENED_THOUGHT = "<think>"
 
 
-def generation_prompt(policy: Policy, sample: Sample, instruction: str) -> str:
+def generation_prompt(policy: Policy, sample: Sample, instruction: str, tools: Sequence = ()) -> str:
     """The chat template's text for one sample, ending where the model starts to write. A template that opens
     the thought itself (``<|im_start|>assistant\\n<think>\\n``) has that tag taken back: the tasks ask for the
     whole ``<think>...</think><answer>...</answer>`` and score its format, so on every family the completion,
-    tags included, is the model's."""
+    tags included, is the model's. ``tools`` (``task_api.tools.Tool``) are declared the way the template declares
+    tools (Qwen's: in the system turn, with the call format)."""
+    declared = {"tools": [tool.schema() for tool in tools]} if tools else {}
     text = policy.processor.apply_chat_template(
-        prompt_messages(sample, instruction), add_generation_prompt=True, tokenize=False
+        prompt_messages(sample, instruction), add_generation_prompt=True, tokenize=False, **declared
     )
+    return _without_opened_thought(text)
+
+
+def _without_opened_thought(text: str) -> str:
     stripped = text.rstrip()
-    if stripped.endswith(OPENED_THOUGHT):
-        text = stripped[: -len(OPENED_THOUGHT)]
-    return text
+    return stripped[: -len(OPENED_THOUGHT)] if stripped.endswith(OPENED_THOUGHT) else text
 
 
 # The video processor's settings for frames already chosen and sized (``task_api.videos``): no sampling or resizing
@@ -179,7 +183,7 @@ def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPr
     the processor refuses; VideoLoadError (an ImageLoadError) for such a video."""
     media = PromptMedia.of(policy, sample)
     images, videos = media.images, media.videos
-    text = generation_prompt(policy, sample, instruction)
+    text = generation_prompt(policy, sample, instruction, task_tools(sample.task))
     try:
         encoded = policy.processor(
             text=[text], return_tensors="pt", return_text_replacement_offsets=True, return_offsets_mapping=True,
@@ -226,6 +230,99 @@ def encode_prompt(policy: Policy, sample: Sample, instruction: str) -> EncodedPr
         original_sizes=tuple(image.size for image in images),
         **video_fields,
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tool turns: a tool's result as the tokens the model reads after its call
+
+
+@dataclass
+class ToolTurn:
+    """One tool result inside a thought: the tokens from the end of the model's call to the model's next token
+    (its turn closed, the result's turn with any images, a new assistant turn opened), rendered by the chat
+    template. None of them is the model's: they are context, with weight 0 in the loss."""
+
+    ids: list[int]  # expanded: each image's placeholder repeated over its vision tokens
+    unexpanded_ids: list[int]  # each image one placeholder (vLLM expands it)
+    pixel_values: torch.Tensor  # [num_patches, patch_dim] of the turn's images
+    image_grid_thw: torch.Tensor  # [num_images, 3]
+    images: tuple = ()  # the images (PIL) as the tool returned them: what the vLLM engine sends
+    error: bool = False  # the call could not be served; the text says why
+    boxes: tuple = ()  # where each image came from (task_api.tools.ToolResult.boxes)
+    start: int = 0  # the turn's first token's index in the thought
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+
+# Stands for the model's own turn while the template renders the result after it; never reaches the model
+_CALL_STAND_IN = "\u2063CALL\u2063"
+
+
+def tool_turn_text(policy: Policy, result_text: str, num_images: int) -> str:
+    """The chat template's text between the model's call and its next token: the template renders a stand-in
+    assistant turn followed by the result's ``tool`` turn and the generation prompt, and the text after the
+    stand-in is taken. A template that opens the thought itself has that tag taken back (``generation_prompt``)."""
+    content = [{"type": "image"} for _ in range(num_images)] + ([{"type": "text", "text": result_text}] if result_text else [])
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": _CALL_STAND_IN},
+        {"role": "tool", "content": content or [{"type": "text", "text": ""}]},
+    ]
+    text = policy.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return _without_opened_thought(text[text.index(_CALL_STAND_IN) + len(_CALL_STAND_IN) :])
+
+
+def encode_tool_turn(policy: Policy, result) -> ToolTurn:
+    """A ``task_api.tools.ToolResult`` as a ``ToolTurn``: its images through the processor (resized under the image
+    budget as a prompt's are). An image the processor refuses becomes an error turn."""
+    images = list(result.images)
+    text = tool_turn_text(policy, result.text, len(images))
+    try:
+        encoded = policy.processor(
+            text=[text], images=images or None, return_tensors="pt", return_text_replacement_offsets=True,
+            return_offsets_mapping=True,
+        )  # fmt: skip
+    except Exception:  # the processor's own limits (aspect ratio, size): the model reads why instead
+        if not images:
+            raise
+        from vlm_grpo_ma.task_api.tools import ToolResult
+
+        return encode_tool_turn(policy, ToolResult(text="Error: the region could not be shown", error=True))
+    grid = encoded["image_grid_thw"] if images else _no_grid()
+    return ToolTurn(
+        ids=encoded["input_ids"][0].tolist(),
+        unexpanded_ids=_unexpanded_ids(policy, encoded),
+        pixel_values=encoded["pixel_values"] if images else torch.zeros((0, 0)),
+        image_grid_thw=grid,
+        images=tuple(images),
+        error=bool(result.error),
+        boxes=tuple(result.boxes),
+    )
+
+
+def continued_positions(
+    policy: Policy, ids: torch.Tensor, mask: torch.Tensor, image_grid: torch.Tensor, start: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mRoPE positions [3, N, W] of a right-padded block [N, W] that continues each row after position
+    ``start[r] - 1``, and each row's next position [N]. Text continues one by one (the three components equal);
+    a block holding images (``image_grid``: its images' grids in row order) gets their 3D positions as a re-encode
+    of the whole sequence would, the text after an image at its largest position + 1 (Qwen's rule, as in
+    ``_rope_positions``: a block's positions from 0, shifted by ``start``)."""
+    device = ids.device
+    width = ids.shape[1]
+    positions = (start[:, None] + torch.arange(width, device=device)[None, :])[None].expand(3, -1, -1).clone()
+    with_images = (ids == policy.image_token_id).any(dim=1)
+    if bool(with_images.any()):
+        rows = with_images.nonzero().squeeze(1)
+        grids = VisionGrids(image_grid.to(device), _no_grid().to(device), torch.zeros(0, device=device))
+        local = _rope_positions(policy, ids[rows], mask[rows], grids)
+        positions[:, rows] = local + start[rows][None, :, None]
+    real = mask.bool()
+    last = positions.masked_fill(~real[None], -1).amax(dim=(0, 2)) + 1  # [N]; a row without tokens: 0
+    next_start = torch.where(real.any(dim=1), last, start)
+    return positions, next_start
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -292,22 +389,34 @@ def _encode_images(policy: Policy, prompts: Sequence[EncodedPrompt]):
     of an FSDP launch runs the tower's collectives once per forward, whatever its prompts hold). Returns (the
     model's vision outputs by modality, ``{"image": .., "video": ..}`` with the modalities present, or None
     when no prompt has either; the batch's ``VisionGrids``)."""
+    vision, grids, _ = _encode_vision(policy, prompts, ())
+    return vision, grids
+
+
+def _encode_vision(policy: Policy, prompts: Sequence[EncodedPrompt], turns: Sequence[ToolTurn]):
+    """``_encode_images`` of the prompts, with the images of tool ``turns`` in the same call of the tower (one call
+    per forward, whatever the rows hold). Returns (the prompts' vision, their grids, the turns' image outputs in
+    order or None when they have none)."""
     device = policy.device
     grids = VisionGrids.of(prompts).to(device)
-    if grids.count == 0:
-        return None, grids
+    turn_grid = torch.cat([_no_grid(), *(t.image_grid_thw for t in turns)]).to(device)
+    num_turn_images = turn_grid.shape[0]
+    if grids.count + num_turn_images == 0:
+        return None, grids, None
     pixels = [p.pixel_values for p in prompts if p.image_grid_thw.shape[0]]
+    pixels += [t.pixel_values for t in turns if t.num_images]
     pixels += [p.pixel_values_videos for p in prompts if p.video_grid_thw.shape[0]]
     output = policy.model.model.get_image_features(
-        torch.cat(pixels).to(device), torch.cat([grids.image, grids.video]), return_dict=True
+        torch.cat(pixels).to(device), torch.cat([grids.image, turn_grid, grids.video]), return_dict=True
     )
     num_images = grids.image.shape[0]
     vision = {}
     if num_images:
         vision["image"] = _vision_items(output, range(num_images))
     if grids.video.shape[0]:
-        vision["video"] = _vision_items(output, range(num_images, grids.count))
-    return vision, grids
+        vision["video"] = _vision_items(output, range(num_images + num_turn_images, grids.count + num_turn_images))
+    turn_vision = _vision_items(output, range(num_images, num_images + num_turn_images)) if num_turn_images else None
+    return vision or None, grids, turn_vision
 
 
 def _vision_items(vision_output, order) -> object:
@@ -322,6 +431,21 @@ def _vision_items(vision_output, order) -> object:
         per_item = [torch.split(lv, counts) if isinstance(lv, torch.Tensor) else lv for lv in deepstack]
         selected.deepstack_features = [tuple(level[i] for i in order) for level in per_item]
     return selected
+
+
+def _joined_items(first, second):
+    """One vision output holding ``first``'s items then ``second``'s (either may be None), for ``_vision_items``."""
+    if first is None:
+        return second
+    joined = type(first)(**{k: v for k, v in first.items()})
+    joined.pooler_output = tuple(first.pooler_output) + tuple(second.pooler_output)
+    deepstack = getattr(first, "deepstack_features", None)
+    if deepstack:  # Qwen3-VL: per level, the items' features concatenated in item order
+        joined.deepstack_features = [
+            tuple(a) + tuple(b) if isinstance(a, (tuple, list)) else torch.cat([a, b])
+            for a, b in zip(deepstack, second.deepstack_features, strict=True)
+        ]
+    return joined
 
 
 @functools.lru_cache(maxsize=8)

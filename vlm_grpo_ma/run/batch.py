@@ -8,8 +8,9 @@ Two layouts, chosen by the advantage estimator through the shape of its thought 
 - flat (``thought_adv[B, K, M]``, GRPO): each row is one of the K*M flat sequences; the thought's tokens are
   trained on every row, with that row's advantage. The scorer computes a thought's log-probs once and hands
   them to its M rows, so this is the gradient of re-encoding the K*M sequences one by one, at no extra forward.
- Forced tokens (the "</think>" closing a truncated thought) are not trained, and neither are answers
-whose reward a rule set (``Rollout.answers_void``). How trained tokens are weighted in the loss is the loss
+ Forced tokens (the "</think>" closing a truncated thought, and tool results: context the model did not
+write) are not trained, and neither are answers whose reward a rule set (``Rollout.answers_void``) nor any
+token of an over-turn thought (one that called a tool past ``rollout.max_turns``: Mini-o3's masking). How trained tokens are weighted in the loss is the loss
 aggregation's business (``loss.aggregation_weights``).
 """
 
@@ -31,6 +32,7 @@ class TrainBatch:
     sampling_logprobs: torch.Tensor  # [N, T] log-probs recorded while sampling
     is_thought: torch.Tensor  # [N, T] bool
     flat: bool = False  # each row one sequence of the objective, its thought trained on it (see the module docstring)
+    thought_turns: list | None = None  # [N] each row's thought's tool turns (model.prompts.ToolTurn), None: none
 
     @property
     def num_rows(self) -> int:
@@ -54,6 +56,7 @@ class TrainBatch:
             self.sampling_logprobs[start:stop, :width],
             self.is_thought[start:stop, :width],
             self.flat,
+            None if self.thought_turns is None else self.thought_turns[start:stop],
         )
 
 
@@ -83,9 +86,12 @@ def build_train_batch(
         completion_ids.append(thought + answer)
         advantages[a, :n_t] = float(thought_adv[b, k, m] if flat else thought_adv[b, k])
         advantages[a, n_t : n_t + n_a] = float(answer_adv[b, k, m])
-        if m == 0 or flat:
+        if (m == 0 or flat) and not tree.thought_over_turns[t]:
             token_mask[a, :n_t] = torch.tensor([0.0 if forced else 1.0 for forced in tree.thought_forced[t]])
         token_mask[a, n_t : n_t + n_a] = 0.0 if rollout.answers_void(t, truncated_thoughts) else 1.0
         sampling_logprobs[a, : n_t + n_a] = torch.tensor(tree.thought_logprobs[t] + tree.answer_logprobs[a])
         is_thought[a, :n_t] = True
-    return TrainBatch(row_prompt, completion_ids, advantages, token_mask, sampling_logprobs, is_thought, flat)
+    turns = None
+    if any(tree.thought_turns):
+        turns = [tree.thought_turns[a // rollout.num_answers] for a in range(rows)]
+    return TrainBatch(row_prompt, completion_ids, advantages, token_mask, sampling_logprobs, is_thought, flat, turns)

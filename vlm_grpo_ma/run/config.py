@@ -85,6 +85,7 @@ class RolloutConfig:
     truncated_thoughts: str = field(default="close", metadata=shapes("objective"))
     thought_stop: str = "</think>"  # the text that ends a thought (stage 1 stops there, stage 2 continues)
     answer_stop: str = "</answer>"  # the text that ends an answer
+    max_turns: int = 3  # tool calls a thought may make (tasks with tools); one more closes it, out of the loss, counted
     reward_workers: int = 8  # worker processes scoring answers (each reward call runs in one)
     reward_timeout_s: float = 30.0  # deadline of one reward call; past it: killed, scored 0, count/reward_timeouts
     # What samples the K x M tree (vlm_grpo_ma/engines): hf (the KV-branching decode loop of engines/decode.py, the
@@ -317,7 +318,7 @@ NON_NEGATIVE = (
     "logging.rollout_every",
     "logging.eval_drawings",
     "train.seed",
-    "judge.retries",
+    "judge.retries", "rollout.max_turns",
 )
 # Keys that were renamed: the error says what to write instead.
 REPLACED_KEYS = {

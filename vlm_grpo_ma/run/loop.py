@@ -56,7 +56,7 @@ def no_signal_help(cfg: Config) -> str:
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
     """Run ``cfg``'s training; returns the summary (also written to summary.json)."""
     run = setup_run(cfg, resume=resume, overwrite=overwrite)
-    policy, scorer, accelerator, counters = run.policy, run.scorer, run.accelerator, run.counters
+    accelerator = run.accelerator
     step, guard, completed = run.start_step, UpdateGuard(), run.completed_state()
     steps_in_a_row_without_signal = 0
     # SIGTERM saves and stops like Ctrl-C (exit code 143); several processes stop together (survive.together)
@@ -64,63 +64,21 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
     stopped_alone = False
     try:
         if run.eval_sets and run.start_step == 0:  # the start of the held-out curve: the samples of every later one
-            policy.model.eval()
-            held_out = evaluate(run, 0)
-            if accelerator.is_main_process:
-                run.logger.log_step(0, held_out, advance=False)
-                run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
+            evaluate_before_training(run)
         while step < cfg.train.steps:
             started = time.perf_counter()
             prompts, rollout, scored, rollout_seconds, generated_tokens = sample_step(run, step)
             run.engine.sleep_until_push()  # vllm_sleep: the engine's memory is the update's until the push
-            # groups whose K*M rewards are all equal: every advantage 0, nothing learned from them
-            scored.counters["groups_without_signal"] += int((~informative_prompts(scored.rewards)).sum())
-            step_counts = sum_over_processes(accelerator, scored.counters)
-            counters.update(step_counts)
-            without_signal = step_counts["groups_without_signal"] == cfg.train.prompts_per_step
-            counters["steps_without_signal"] += int(without_signal)
-            steps_in_a_row_without_signal = steps_in_a_row_without_signal + 1 if without_signal else 0
-            if steps_in_a_row_without_signal == min(NO_SIGNAL_PATIENCE, cfg.train.steps - run.start_step):
-                log.warning(
-                    "no learning signal: all %d groups had equal rewards in each of the last %d steps, so every"
-                    " advantage is 0 and nothing trains; %s", cfg.train.prompts_per_step, steps_in_a_row_without_signal,
-                    no_signal_help(cfg),
-                )  # fmt: skip
-            with survive.together(accelerator):  # a non-finite input on any process stops every process here
-                thought_adv, answer_adv = compute_advantages(
-                    cfg.algorithm.advantage_estimator, scored.rewards, answer_baseline=cfg.algorithm.answer_baseline,
-                    scale_by_std=cfg.algorithm.scale_by_std, eps=cfg.algorithm.eps, unbiased=cfg.algorithm.std_unbiased,
-                )  # fmt: skip
-                batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts=cfg.rollout.truncated_thoughts)
-                policy.model.train()
-                learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
-                survive.check_inputs_finite(step + 1, scored.rewards, (thought_adv, answer_adv), learning_rate)
-            update = update_policy(scorer, batch, prompts, cfg, accelerator, run.optimizer, run.reference, guard)
-            # FSDP: each process checks its shards. A stop signal waits for the logging block below: the step
-            # is complete there, and stopping here would keep the last checkpoint, losing the steps since it.
-            with survive.together(accelerator, act_on_signals=False):
-                survive.check_weights_finite(step + 1, policy.model)  # before anything of this step is checkpointed
-            run.engine.push_weights(policy)  # the next rollout samples from the updated policy
-            run.scheduler.step()
-            # The grad norm joins the spike history before the step's state is taken: a checkpoint of this
-            # step must hold it, or a resumed run's next ratios are computed over a window one step short.
-            update["train/grad_norm_spike_ratio"] = run.spikes.observe(update["train/grad_norm"])
+            step_counts, steps_in_a_row_without_signal = count_signal(run, scored, steps_in_a_row_without_signal)
+            advantages, batch, learning_rate = advantages_and_batch(run, step, rollout, scored)
+            update = update_policy(run.scorer, batch, prompts, cfg, accelerator, run.optimizer, run.reference, guard)
+            after_update(run, step, update)
             step, guard.weights_changed, completed = step + 1, False, run.completed_state()
 
-            metrics = step_metrics(run, rollout, scored, (thought_adv, answer_adv), batch, update, learning_rate,
+            metrics = step_metrics(run, rollout, scored, advantages, batch, update, learning_rate,
                                    seconds=(time.perf_counter() - started, rollout_seconds), step_counts=step_counts,
                                    generated_tokens=generated_tokens)  # fmt: skip
-            evaluating = bool(run.eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
-            if evaluating:
-                metrics.update(evaluate(run, step))
-            with survive.together(accelerator):  # the main process's logging; a stop signal on any process
-                if accelerator.is_main_process:
-                    if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluating:
-                        run.logger.log_step(step, metrics)
-                    if evaluating:  # the drawings of truth and greedy prediction the evaluation wrote
-                        run.logger.log_drawings(step, eval_folder(run, step) / "draw")
-                    trees = rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step, thought_adv)
-                    run.logger.log_rollouts(step, trees, [s.images[0] if s.images else None for s in rollout.samples[: len(trees)]])
+            evaluate_and_log(run, step, metrics, rollout, scored, thought_adv=advantages[0])
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 save_checkpoint(run, step, completed, collective=True)
                 with survive.together(accelerator):  # a stop signal that waited for the save
@@ -131,18 +89,108 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         raise
     finally:
         restore_sigterm()
-        run.logger.close()
-        if run.run_lock is not None:
-            run.run_lock.close()
-        # the engine ends while the process group still stands (vLLM's teardown destroys it); no teardown when
-        # this process stops alone: the others may be waiting in a collective
-        run.engine.close(orderly=not stopped_alone)
-        if run.judge is not None:
-            run.judge.close()
-    summary = write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=accelerator.is_main_process)
-    if counters["steps_without_signal"] and accelerator.is_main_process:
-        print(f"no learning signal in {counters['steps_without_signal']} of {step} steps (every group's rewards"
-              f" equal, so nothing trained in those steps); {no_signal_help(cfg)}", flush=True)  # fmt: skip
+        close_run(run, stopped_alone)
+    return summarise(run, step)
+
+
+def evaluate_before_training(run: RunState) -> None:
+    """The held-out evaluation before the first step (step 0), recorded with its drawings; the progress bar stays."""
+    run.policy.model.eval()
+    held_out = evaluate(run, 0)
+    if run.accelerator.is_main_process:
+        run.logger.log_step(0, held_out, advance=False)
+        run.logger.log_drawings(0, eval_folder(run, 0) / "draw")
+
+
+def count_signal(run: RunState, scored: ScoredRollout, steps_in_a_row_without_signal: int) -> tuple[Counter, int]:
+    """Adds the step's counters, summed over the processes (a collective), to ``run.counters``, counting the
+    groups and the step without learning signal; warns after ``NO_SIGNAL_PATIENCE`` such steps in a row (fewer
+    in a shorter run). Returns (the step's summed counters, the steps in a row without signal, this one included)."""
+    cfg = run.cfg
+    # groups whose K*M rewards are all equal: every advantage 0, nothing learned from them
+    scored.counters["groups_without_signal"] += int((~informative_prompts(scored.rewards)).sum())
+    step_counts = sum_over_processes(run.accelerator, scored.counters)
+    run.counters.update(step_counts)
+    without_signal = step_counts["groups_without_signal"] == cfg.train.prompts_per_step
+    run.counters["steps_without_signal"] += int(without_signal)
+    steps_in_a_row_without_signal = steps_in_a_row_without_signal + 1 if without_signal else 0
+    if steps_in_a_row_without_signal == min(NO_SIGNAL_PATIENCE, cfg.train.steps - run.start_step):
+        log.warning(
+            "no learning signal: all %d groups had equal rewards in each of the last %d steps, so every"
+            " advantage is 0 and nothing trains; %s", cfg.train.prompts_per_step, steps_in_a_row_without_signal,
+            no_signal_help(cfg),
+        )  # fmt: skip
+    return step_counts, steps_in_a_row_without_signal
+
+
+def advantages_and_batch(run: RunState, step: int, rollout: Rollout, scored: ScoredRollout) -> tuple[tuple, TrainBatch, float]:
+    """Step ``step``'s (thought_adv, answer_adv), its training batch and the learning rate its update uses,
+    with the model put in training mode; a non-finite input on any process stops every process here."""
+    algo = run.cfg.algorithm
+    with survive.together(run.accelerator):
+        thought_adv, answer_adv = compute_advantages(
+            algo.advantage_estimator, scored.rewards, answer_baseline=algo.answer_baseline,
+            scale_by_std=algo.scale_by_std, eps=algo.eps, unbiased=algo.std_unbiased,
+        )  # fmt: skip
+        batch = build_train_batch(rollout, thought_adv, answer_adv, truncated_thoughts=run.cfg.rollout.truncated_thoughts)
+        run.policy.model.train()
+        learning_rate = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        survive.check_inputs_finite(step + 1, scored.rewards, (thought_adv, answer_adv), learning_rate)
+    return (thought_adv, answer_adv), batch, learning_rate
+
+
+def after_update(run: RunState, step: int, update: dict) -> None:
+    """What follows step ``step``'s update: the weights checked finite, pushed to the engine, the scheduler
+    stepped, and ``update`` given the grad norm's spike ratio."""
+    # FSDP: each process checks its shards. A stop signal waits for the logging block (evaluate_and_log): the
+    # step is complete there, and stopping here would keep the last checkpoint, losing the steps since it.
+    with survive.together(run.accelerator, act_on_signals=False):
+        survive.check_weights_finite(step + 1, run.policy.model)  # before anything of this step is checkpointed
+    run.engine.push_weights(run.policy)  # the next rollout samples from the updated policy
+    run.scheduler.step()
+    # The grad norm joins the spike history before the step's state is taken: a checkpoint of this
+    # step must hold it, or a resumed run's next ratios are computed over a window one step short.
+    update["train/grad_norm_spike_ratio"] = run.spikes.observe(update["train/grad_norm"])
+
+
+def evaluate_and_log(run: RunState, step: int, metrics: dict, rollout: Rollout, scored: ScoredRollout, thought_adv) -> None:
+    """After step ``step``: the held-out evaluation when due (its figures join ``metrics``), then, on the main
+    process, the step's metrics (every ``logging.log_every``, the last step and each evaluation), the
+    evaluation's drawings and the step's rollout samples. A stop signal on any process stops here."""
+    cfg, accelerator = run.cfg, run.accelerator
+    evaluating = bool(run.eval_sets) and (step % cfg.train.eval_every == 0 or step == cfg.train.steps)
+    if evaluating:
+        metrics.update(evaluate(run, step))
+    with survive.together(accelerator):  # the main process's logging; a stop signal on any process
+        if accelerator.is_main_process:
+            if step % cfg.logging.log_every == 0 or step == cfg.train.steps or evaluating:
+                run.logger.log_step(step, metrics)
+            if evaluating:  # the drawings of truth and greedy prediction the evaluation wrote
+                run.logger.log_drawings(step, eval_folder(run, step) / "draw")
+            trees = rollout_records(step, rollout, scored, cfg.logging.rollout_samples_per_step, thought_adv)
+            run.logger.log_rollouts(step, trees, [s.images[0] if s.images else None for s in rollout.samples[: len(trees)]])
+
+
+def close_run(run: RunState, stopped_alone: bool) -> None:
+    """The run's teardown, however it ended: the logger, the run folder's lock, the engine, the judge."""
+    run.logger.close()
+    if run.run_lock is not None:
+        run.run_lock.close()
+    # the engine ends while the process group still stands (vLLM's teardown destroys it); no teardown when
+    # this process stops alone: the others may be waiting in a collective
+    run.engine.close(orderly=not stopped_alone)
+    if run.judge is not None:
+        run.judge.close()
+
+
+def summarise(run: RunState, steps: int) -> dict:
+    """The run's summary after ``steps`` steps (written to summary.json by the main process), and on the main
+    process a closing line when some steps had no learning signal."""
+    counters, is_main = run.counters, run.accelerator.is_main_process
+    summary = write_summary(run.run_dir, headline_metrics(run.tasks), counters, is_main=is_main)
+    if counters["steps_without_signal"] and is_main:
+        print(f"no learning signal in {counters['steps_without_signal']} of {steps} steps (every group's rewards"
+              f" equal, so nothing trained in those steps); {no_signal_help(run.cfg)}", flush=True)  # fmt: skip
     return summary
 
 
@@ -335,6 +383,7 @@ def sampling_settings(cfg: Config, step: int, first_prompt: int, num_prompts: in
         max_answer_tokens=cfg.rollout.max_answer_tokens,
         thought_stop=cfg.rollout.thought_stop,
         answer_stop=cfg.rollout.answer_stop,
+        max_turns=cfg.rollout.max_turns,
         generators=prompt_generators(cfg.train.seed * SEED_STRIDE + step, first_prompt, num_prompts),
     )
 

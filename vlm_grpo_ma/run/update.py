@@ -39,7 +39,9 @@ def score_rows(scorer: torch.nn.Module, micro: TrainBatch, prompts: list[Encoded
     and the reference log-probs, so all three are computed by the same code under the same precision
     (``train.mixed_precision``). Old and reference log-probs call it under ``torch.no_grad()``."""
     with accelerator.autocast():
-        logprobs = scorer(prompts, micro.row_prompt, micro.completion_ids, micro.thought_lengths(), temperature=temperature)
+        logprobs = scorer(
+            prompts, micro.row_prompt, micro.completion_ids, micro.thought_lengths(), temperature=temperature, thought_turns=micro.thought_turns
+        )
     return logprobs.float()
 
 

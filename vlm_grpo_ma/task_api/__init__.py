@@ -37,6 +37,9 @@ What is here:
                 (skipped and counted as a broken image is), ``frame_strip`` (frames side by side, for drawings);
   judge         ``JudgeQuery`` (what ``Task.judge_query`` returns: the run's served judge is asked it, and the
                 reward reads the verdict as ``Completion.judgement``; docs/JUDGE.md);
+  tools         ``Tool`` (what ``Task.tools`` lists: a thought may call it), ``ToolResult``, ``ToolContext``,
+                ``ToolError`` (a call the tool refuses: the model reads an error turn), ``ZOOM_TOOL`` (the
+                built-in zoom tool, image_zoom_in_tool; docs/TASKS.md, "Tools");
   evaluation    ``draw_marks`` with ``PREDICTION_COLOUR`` and ``TRUTH_COLOUR`` (for ``Task.draw``).
 
 Every parser is total on model output: malformed text gives ``None`` (or ``0.0`` for ``iou``), never an
@@ -86,6 +89,7 @@ from vlm_grpo_ma.task_api.sources import (
     resolved_path,
     rows_to_samples,
 )
+from vlm_grpo_ma.task_api.tools import ZOOM_TOOL, Tool, ToolContext, ToolError, ToolResult
 from vlm_grpo_ma.task_api.videos import (
     DecodedVideo,
     FrameList,
@@ -134,6 +138,12 @@ __all__ = [
     "open_lazily",
     # judge
     "JudgeQuery",
+    # tools
+    "Tool",
+    "ToolResult",
+    "ToolContext",
+    "ToolError",
+    "ZOOM_TOOL",
     # videos
     "VideoLoadError",
     "VideoBudget",

@@ -60,6 +60,13 @@ class Completion:
     # The served judge's verdict on this answer, in [0, 1], for a task with ``Task.judge_query``; None when it
     # gave none (no query, the judge failed or timed out, an unreadable verdict, an answer over the length cap)
     judgement: float | None = None
+    # Tool use in the thought (``Task.tools``): calls made, calls that could not be served, and images the tools
+    # returned (a crop actually seen: what a conditional tool bonus reads)
+    tool_calls: int = 0
+    invalid_tool_calls: int = 0
+    tool_images: int = 0
+    # where each returned crop lies, [x1, y1, x2, y2] in original pixels of the prompt's image (for drawings)
+    tool_boxes: tuple[tuple[float, float, float, float], ...] = ()
 
     @property
     def text(self) -> str:
@@ -102,7 +109,12 @@ class Task:
     For answers no rule can check: ``judge_query(completion, sample)`` gives a ``JudgeQuery`` (question,
     reference answers, the answer) or None; the run's served judge (``judge.*`` settings, docs/JUDGE.md) is
     asked every query of a step before the rewards run, and the reward reads the verdict as
-    ``completion.judgement`` (in [0, 1], or None). A run with such a task needs ``judge.base_url``."""
+    ``completion.judgement`` (in [0, 1], or None). A run with such a task needs ``judge.base_url``.
+
+    For thinking with images: ``tools`` (``task_api.tools.Tool``, e.g. ``ZOOM_TOOL``) the thought may call between
+    ``<tool_call>`` and ``</tool_call>``; each result comes back as a new turn and the thought goes on
+    (``rollout.max_turns`` calls at most). The reward reads ``completion.tool_calls``, ``invalid_tool_calls``
+    and ``tool_images``."""
 
     name: str
     load: LoadFn
@@ -115,6 +127,7 @@ class Task:
     draw: DrawFn | None = None
     target: TargetFn | None = None
     judge_query: JudgeQueryFn | None = None
+    tools: tuple = ()  # task_api.tools.Tool: what the thought may call (docs/TASKS.md, "Tools")
 
 
 def weighted_reward(parts: dict[str, float], weights: dict[str, float]) -> float:
@@ -203,6 +216,13 @@ def get_task(name: str) -> Task:
         return _TASKS[name]
     except KeyError:
         raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(list_tasks())}") from None
+
+
+def task_tools(name: str) -> tuple:
+    """The tools task ``name`` declares (``Task.tools``); () for a name no task registered."""
+    load_builtin_tasks()
+    task = _TASKS.get(name)
+    return task.tools if task is not None else ()
 
 
 def list_tasks() -> list[str]:

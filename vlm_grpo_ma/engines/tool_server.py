@@ -1,0 +1,47 @@
+"""Serving a tree's tool calls: each thought row's call is parsed and run with its prompt's task's tools
+(``task_api.tools.run_tool_call``: an error turn, never an exception, for a call that cannot be served) and the
+result rendered as the turn the model reads (``model.prompts.encode_tool_turn``). Both engines use it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from vlm_grpo_ma.model.loading import Policy
+from vlm_grpo_ma.model.prompts import EncodedPrompt, ToolTurn, encode_tool_turn
+from vlm_grpo_ma.task_api.registry import Sample, task_tools
+from vlm_grpo_ma.task_api.tools import TOOL_CALL_CLOSE, ToolContext, ToolResult, call_text, run_tool_call
+
+
+class ToolServer:
+    """The tools of a tree's prompts. Thought row ``row`` belongs to prompt ``row // num_thoughts``."""
+
+    stop_text = TOOL_CALL_CLOSE
+
+    def __init__(self, policy: Policy, samples: Sequence[Sample], prompts: Sequence[EncodedPrompt], num_thoughts: int):
+        self.policy = policy
+        self.num_thoughts = num_thoughts
+        self.tools = [task_tools(sample.task) for sample in samples]
+        self.contexts = [
+            ToolContext(tuple(sample.images), prompt.input_sizes, prompt.original_sizes, policy.frame)
+            for sample, prompt in zip(samples, prompts, strict=True)
+        ]
+
+    @classmethod
+    def for_rollout(cls, policy: Policy, samples, prompts, num_thoughts: int, max_turns: int) -> ToolServer | None:
+        """A server when some prompt's task declares tools and turns are allowed; None otherwise (the sampler then
+        runs exactly as without tools)."""
+        if max_turns <= 0 or not any(task_tools(sample.task) for sample in samples):
+            return None
+        return cls(policy, samples, prompts, num_thoughts)
+
+    def serves(self, row: int) -> bool:
+        return bool(self.tools[row // self.num_thoughts])
+
+    def respond(self, row: int, call_ids: list[int]) -> ToolTurn:
+        prompt = row // self.num_thoughts
+        text = call_text(self.policy.tokenizer.decode(call_ids, skip_special_tokens=False))
+        if text is None:  # the stop text without its opening tag
+            result = ToolResult(text="Error: a tool call is <tool_call>{...}</tool_call>", error=True)
+        else:
+            result = run_tool_call(self.tools[prompt], text, self.contexts[prompt])
+        return encode_tool_turn(self.policy, result)
