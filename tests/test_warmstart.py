@@ -423,7 +423,7 @@ def test_a_training_image_that_does_not_load_is_skipped_for_the_rest_of_the_warm
     task = Task(name="t", load=lambda *a: [], reward=lambda c, s: {"reward": 0.0}, instruction="")
     fine, broken = (Sample("t", name, "q", (str(tmp_path / f"{name}.png"),), "1") for name in ("fine", "missing"))
     batches = TargetBatches(tiny_policy, task, [(fine, "a"), (broken, "b")], batch_size=3, seed=0)
-    prompts, texts = batches.take()
+    prompts, texts, _ = batches.take()
     assert texts == ["a", "a", "a"] and len(prompts) == 3 and batches.broken == {"missing"}
     assert capsys.readouterr().out.count("skipping training sample 'missing'") == 1
     with pytest.raises(WarmStartError, match="no training sample's image or video could be read"):

@@ -235,7 +235,7 @@ def _decode(
                     over_turns[row], suffix_at[row] = True, 0  # closed now: "</think>" follows the call
                     continue
                 turn = tools.respond(row, tokens_out[row][since:])
-                if len(tokens_out[row]) + len(turn.ids) + suffix_len > max_tokens:
+                if len(tokens_out[row]) + len(turn.ids) + suffix_len >= max_tokens:
                     suffix_at[row] = 0  # the result does not fit in the thought's budget: truncated
                     continue
                 pending[row] = turn

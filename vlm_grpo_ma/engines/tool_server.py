@@ -4,6 +4,7 @@ result rendered as the turn the model reads (``model.prompts.encode_tool_turn``)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from vlm_grpo_ma.model.loading import Policy
@@ -45,3 +46,18 @@ class ToolServer:
         else:
             result = run_tool_call(self.tools[prompt], text, self.contexts[prompt])
         return encode_tool_turn(self.policy, result)
+
+    def replay(self, prompt: int, text: str) -> tuple[list[int], list[ToolTurn]]:
+        """A written completion (a warm start's target) as the sampler would have fed it: the text split after each
+        ``</tool_call>``, each call served and its turn placed between the pieces. Returns (token ids, turns)."""
+        ids: list[int] = []
+        turns: list[ToolTurn] = []
+        pieces = text.split(self.stop_text)
+        for index, piece in enumerate(pieces):
+            own = self.policy.tokenizer.encode(piece + (self.stop_text if index < len(pieces) - 1 else ""), add_special_tokens=False)
+            ids += own
+            if index < len(pieces) - 1:
+                turn = self.respond(prompt * self.num_thoughts, own)
+                turns.append(dataclasses.replace(turn, start=len(ids)))
+                ids += turn.ids
+        return ids, turns

@@ -41,6 +41,7 @@ the HF engine's answers prefill nothing. vLLM's CPU kernel for these layers take
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -49,7 +50,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from vlm_grpo_ma.engines.decode import SamplingSettings, TreeSample
-from vlm_grpo_ma.engines.rollout import Rollout, rollout_from_tree
+from vlm_grpo_ma.engines.rollout import Rollout, readable_thought_ids, rollout_from_tree
+from vlm_grpo_ma.engines.tool_server import ToolServer
 from vlm_grpo_ma.model import linear_attention
 from vlm_grpo_ma.model.loading import Policy
 from vlm_grpo_ma.model.prompts import EncodedPrompt, PromptMedia
@@ -321,9 +323,15 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's log-prob
             logit_bias={token: float("-inf") for token in policy.suppressed_token_ids},
         )
-        # a thought that has not stopped when only the closing tag's tokens remain gets them forced
-        thought_params = SamplingParams(n=num_thoughts, max_tokens=max(settings.max_thought_tokens - len(close_ids), 1),
-                                        stop=[settings.thought_stop], **common)  # fmt: skip
+        # a call ends a thought's piece too (a task with tools): the call is served and the thought goes on
+        tools = ToolServer.for_rollout(policy, samples, prompts, num_thoughts, settings.max_turns)
+        thought_stops = [settings.thought_stop] + ([tools.stop_text] if tools is not None else [])
+
+        def thought_params(n: int, written: int) -> SamplingParams:
+            """Sampling of a thought's next piece, ``written`` tokens already in it: a thought that has not stopped
+            when only the closing tag's tokens remain gets them forced."""
+            return SamplingParams(n=n, max_tokens=max(settings.max_thought_tokens - written - len(close_ids), 1), stop=thought_stops, **common)
+
         answer_params = SamplingParams(n=num_answers, max_tokens=settings.max_answer_tokens, stop=[settings.answer_stop], **common)
         # Decoded here, before the engine is called: a broken image or video raises ImageLoadError / VideoLoadError
         # (the trainer skips and counts the sample). The HF path's media (prompts.PromptMedia) in vLLM's form, and
@@ -331,7 +339,7 @@ class VLLMEngine:
         # (EncodedPrompt.unexpanded_ids): vLLM expands them again, to the trainer's ids (stage 1 checks).
         media = [PromptMedia.of(policy, sample) for sample in samples]
         for kind, most in (("images", self.max_images), ("videos", self.max_videos)):
-            count = max((len(getattr(m, kind)) for m in media), default=0)
+            count = max((len(getattr(m, kind)) for m in media), default=0) + (settings.max_turns if kind == "images" and tools else 0)
             if count > most:
                 raise ValueError(
                     f"a prompt has {count} {kind}; the vllm engine was started for at most {most}"
@@ -346,26 +354,20 @@ class VLLMEngine:
         stage1_requests = [request(b, heads[b]) for b in range(len(prompts))]
         self._prefill_first(stage1_requests)
         with _seeded(settings):
-            stage1 = self.llm.generate(stage1_requests, thought_params, use_tqdm=False)
-        thought_ids, thought_logprobs, thought_forced, thought_truncated = [], [], [], []
+            stage1 = self.llm.generate(stage1_requests, thought_params(num_thoughts, 0), use_tqdm=False)
+        thoughts = []
         for b, output in enumerate(stage1):
-            if list(output.prompt_token_ids) != list(prompts[b].input_ids):
-                raise RuntimeError(
-                    f"vLLM expanded prompt {b} to {len(output.prompt_token_ids)} tokens, the trainer's processor to"
-                    f" {len(prompts[b].input_ids)}: the engine and the trainer would see different images or videos"
-                )
-            for completion in output.outputs:
-                ids, logprobs = _ids_and_logprobs(completion)
-                truncated = completion.finish_reason == "length"
-                forced = [False] * len(ids)
-                if truncated:
-                    ids, logprobs, forced = ids + close_ids, logprobs + [0.0] * len(close_ids), forced + [True] * len(close_ids)
-                thought_ids.append(ids)
-                thought_logprobs.append(logprobs)
-                thought_forced.append(forced)
-                thought_truncated.append(truncated)
-        thought_prompt = [t // num_thoughts for t in range(len(thought_ids))]
-        stage2_requests = [request(b, heads[b] + ids) for b, ids in zip(thought_prompt, thought_ids, strict=True)]
+            self._check_expansion(output, prompts[b].input_ids, f"prompt {b}")
+            thoughts += [_Thought(b, *_ids_and_logprobs(completion)) for completion in output.outputs]
+            for thought, completion in zip(thoughts[-num_thoughts:], output.outputs, strict=True):
+                thought.finish(completion, tools, settings, close_ids)
+        if tools is not None:
+            self._continue_thoughts(thoughts, tools, heads, media, thought_params, settings, close_ids, prompts)
+        thought_ids = [t.ids for t in thoughts]
+        thought_logprobs = [t.logprobs for t in thoughts]
+        thought_forced = [t.forced for t in thoughts]
+        thought_truncated = [t.truncated for t in thoughts]
+        stage2_requests = [t.request(heads, media) for t in thoughts]
         self._prefill_first(stage2_requests)
         with _seeded(settings):
             stage2 = self.llm.generate(stage2_requests, answer_params, use_tqdm=False)
@@ -385,8 +387,43 @@ class VLLMEngine:
             answer_ids=answer_ids,
             answer_logprobs=answer_logprobs,
             answer_truncated=answer_truncated,
-            vision_images_encoded=sum(len(m.images) + len(m.videos) for m in media),
+            vision_images_encoded=sum(len(m.images) + len(m.videos) for m in media) + sum(len(t.images()) for t in thoughts),
+            thought_turns=[t.turns for t in thoughts],
+            thought_over_turns=[t.over_turn for t in thoughts],
         )
+
+    def _check_expansion(self, output, expected: list[int], what: str) -> None:
+        if list(output.prompt_token_ids) != list(expected):
+            raise RuntimeError(
+                f"vLLM expanded {what} to {len(output.prompt_token_ids)} tokens, the trainer's processor to"
+                f" {len(expected)}: the engine and the trainer would see different images or videos"
+            )
+
+    def _continue_thoughts(self, thoughts, tools, heads, media, thought_params, settings: SamplingSettings, close_ids, prompts) -> None:
+        """Serve the calls that ended thought pieces and continue those thoughts, a round at a time, until none
+        is waiting: each continuation is the prompt + the thought so far (its tool turns' images added to the
+        request's images) and one sample. The prefix cache serves what an earlier round computed."""
+        while True:
+            waiting = [t for t in thoughts if t.waiting]
+            if not waiting:
+                return
+            for t, row in ((t, thoughts.index(t)) for t in waiting):
+                t.serve(tools.respond(row, t.ids[t.since :]), settings.max_thought_tokens, close_ids)
+            going_on = [t for t in waiting if t.waiting]
+            if not going_on:
+                return
+            requests, params = [], []
+            for t in going_on:
+                requests.append(t.request(heads, media))
+                params.append(thought_params(1, len(t.ids)))
+            with _seeded(settings):
+                outputs = self.llm.generate(requests, params, use_tqdm=False)
+            for t, output in zip(going_on, outputs, strict=True):
+                self._check_expansion(output, prompts[t.prompt].input_ids + t.ids, f"a thought of prompt {t.prompt} after its tool turn")
+                completion = output.outputs[0]
+                ids, logprobs = _ids_and_logprobs(completion)
+                t.extend(ids, logprobs)
+                t.finish(completion, tools, settings, close_ids)
 
     def _prefill_first(self, requests: list[dict]) -> None:
         """Hybrid models: prefill each request once (one greedy token, discarded) before its ``n`` samples are
@@ -425,6 +462,65 @@ class VLLMEngine:
         if self.metrics_prefix:
             metrics[self.metrics_prefix + "prefix_cache_hit_rate"] = hit_rate
         return metrics
+
+
+class _Thought:
+    """One thought being sampled by the vllm engine, piece by piece between its tool turns."""
+
+    def __init__(self, prompt: int, ids: list[int], logprobs: list[float]):
+        self.prompt, self.ids, self.logprobs = prompt, ids, logprobs
+        self.forced = [False] * len(ids)
+        self.turns: list = []
+        self.truncated = self.over_turn = self.waiting = False
+        self.since = 0  # where the model's current piece starts (after its last turn)
+
+    def extend(self, ids: list[int], logprobs: list[float]) -> None:
+        self.ids, self.logprobs, self.forced = self.ids + ids, self.logprobs + logprobs, self.forced + [False] * len(ids)
+
+    def close(self, close_ids: list[int]) -> None:
+        """The thought's closing tag, forced (not sampled)."""
+        self.ids, self.logprobs = self.ids + close_ids, self.logprobs + [0.0] * len(close_ids)
+        self.forced = self.forced + [True] * len(close_ids)
+
+    def finish(self, completion, tools, settings: SamplingSettings, close_ids: list[int]) -> None:
+        """After a piece: closed at the token limit (truncated), waiting for its call's result, or done."""
+        called = tools is not None and completion.finish_reason == "stop" and completion.stop_reason == tools.stop_text
+        if called and len(self.turns) >= settings.max_turns:
+            self.over_turn = True  # one call past the bound: closed now, left out of the loss
+            self.close(close_ids)
+        elif called:
+            self.waiting = True
+        elif completion.finish_reason == "length":
+            self.truncated = True
+            self.close(close_ids)
+
+    def serve(self, turn, max_thought_tokens: int, close_ids: list[int]) -> None:
+        """Place the call's result after it, or close the thought truncated when it does not fit the budget."""
+        self.waiting = False
+        if len(self.ids) + len(turn.ids) + len(close_ids) >= max_thought_tokens:
+            self.truncated = True
+            self.close(close_ids)
+            return
+        self.turns.append(dataclasses.replace(turn, start=len(self.ids)))
+        self.ids = self.ids + turn.ids
+        self.logprobs, self.forced = self.logprobs + [0.0] * len(turn.ids), self.forced + [True] * len(turn.ids)
+        self.since = len(self.ids)
+        self.waiting = True
+
+    def images(self) -> list:
+        return [image for turn in self.turns for image in turn.images]
+
+    def unexpanded_ids(self) -> list[int]:
+        return readable_thought_ids(self.ids, self.turns)
+
+    def request(self, heads: list[list[int]], media: list) -> dict:
+        """The prompt + this thought so far, as vLLM takes it: images unexpanded, the turns' after the prompt's."""
+        inputs = media[self.prompt].vllm_inputs()
+        if self.turns:
+            data = dict(inputs.get("multi_modal_data", {}))
+            data["image"] = list(data.get("image", [])) + self.images()
+            inputs = {**inputs, "multi_modal_data": data}
+        return {"prompt_token_ids": heads[self.prompt] + self.unexpanded_ids(), **inputs}
 
 
 @contextlib.contextmanager

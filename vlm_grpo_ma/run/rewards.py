@@ -160,6 +160,9 @@ def score_rollout(
     for t in range(len(tree.thought_ids)):
         counters["thought_truncated"] += int(tree.thought_truncated[t])
         counters["thought_ended_turn"] += int(tree.thought_ended_turn[t])
+        if tree.thought_turns[t] or tree.thought_over_turns[t]:  # tool use: counted only where it happened
+            counters["invalid_tool_calls"] += sum(turn.error for turn in tree.thought_turns[t])
+            counters["over_turn_thoughts"] += int(tree.thought_over_turns[t])
     shape = (rollout.num_prompts, rollout.num_thoughts, rollout.num_answers)
     return dataclasses.replace(_scored(flat_parts, shape, counters), judge_seconds=judge_seconds)
 

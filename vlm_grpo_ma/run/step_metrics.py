@@ -48,7 +48,30 @@ def rollout_metrics(
     metrics["rollout/thought_tokens"] = sum(map(len, tree.thought_ids)) / len(tree.thought_ids)
     metrics["rollout/answer_tokens"] = sum(map(len, tree.answer_ids)) / len(tree.answer_ids)
     metrics["rollout/thought_truncated_rate"] = sum(tree.thought_truncated) / len(tree.thought_truncated)
+    metrics.update(tool_metrics(rollout, tasks))
     return metrics
+
+
+def tool_metrics(rollout: Rollout, tasks: dict[str, Task]) -> dict:
+    """Tool use over the thoughts of prompts whose task has tools (none when no task of the run has any):
+    calls per thought, the share that looked (got at least one image back), the share of calls that could not
+    be served, the share closed for calling past ``rollout.max_turns`` and the tool-result tokens per thought."""
+    if not any(task.tools for task in tasks.values()):
+        return {}
+    tree, K = rollout.tree, rollout.num_thoughts
+    rows = [t for t in range(len(tree.thought_ids)) if tasks[rollout.samples[t // K].task].tools]
+    if not rows:
+        return {}
+    turns = [tree.thought_turns[t] for t in rows]
+    calls = sum(len(ts) + int(tree.thought_over_turns[t]) for ts, t in zip(turns, rows, strict=True))
+    invalid = sum(turn.error for ts in turns for turn in ts)
+    return {
+        "tools/calls_per_thought": calls / len(rows),
+        "tools/looked_share": sum(any(turn.num_images for turn in ts) for ts in turns) / len(rows),
+        "tools/invalid_call_share": invalid / calls if calls else 0.0,
+        "tools/over_turn_share": sum(tree.thought_over_turns[t] for t in rows) / len(rows),
+        "tools/result_tokens_per_thought": sum(len(turn.ids) for ts in turns for turn in ts) / len(rows),
+    }
 
 
 def timing_metrics(batch: TrainBatch, step_seconds: float, rollout_seconds: float, generated_tokens: int) -> dict:
@@ -81,6 +104,11 @@ def rollout_records(
                 a = rollout.answer_row(b, k, m)
                 answers.append({"answer": rollout.completions[a].answer, **scored.per_answer_parts[a]})
             thoughts.append({"thought": rollout.completions[rollout.answer_row(b, k, 0)].thought, "answers": answers})
+            t = rollout.thought_row(b, k)
+            if rollout.tree.thought_turns[t] or rollout.tree.thought_over_turns[t]:  # each tool turn, as the model got it
+                thoughts[-1]["tool_turns"] = [{"error": turn.error, "images": turn.num_images, "crop_boxes": [list(box) for box in turn.boxes]}
+                                              for turn in rollout.tree.thought_turns[t]]  # fmt: skip
+                thoughts[-1]["over_turn"] = rollout.tree.thought_over_turns[t]
             if thought_adv is not None:  # [B, K], or [B, K, M] where an estimator gives each answer its own
                 value = thought_adv[b, k]
                 thoughts[-1]["thought_advantage"] = float(value) if value.dim() == 0 else value.tolist()

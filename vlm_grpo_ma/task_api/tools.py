@@ -61,6 +61,10 @@ class ToolContext:
         """Model-frame ``[x, y, ...]`` -> pixels of original image ``image_index`` (the one conversion)."""
         return to_original_pixels(values, self.frame, self.input_sizes[image_index], self.original_sizes[image_index])
 
+    def from_original_pixels(self, values: Sequence[float], image_index: int = 0) -> list[float]:
+        """Pixels of original image ``image_index`` -> the model's frame (a target writing a call, the warm start)."""
+        return from_original_pixels(values, self.frame, self.input_sizes[image_index], self.original_sizes[image_index])
+
 
 ToolFn = Callable[[Mapping[str, Any], ToolContext], ToolResult]
 

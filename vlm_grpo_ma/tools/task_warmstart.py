@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from vlm_grpo_ma.engines.tool_server import ToolServer
 from vlm_grpo_ma.model.loading import Policy, checked_model_path, load_policy
 from vlm_grpo_ma.model.logprobs import sequence_logprobs
 from vlm_grpo_ma.model.lora import apply_lora, freeze_vision, trainable_parameters, vision_tower
@@ -23,15 +24,24 @@ from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run.evaluation import EvalSettings
 from vlm_grpo_ma.task_api.images import ImageLoadError
 from vlm_grpo_ma.task_api.registry import Sample, get_task, load_samples
+from vlm_grpo_ma.task_api.tools import ToolContext
 
 
-def completion_loss(policy: Policy, prompts: list[EncodedPrompt], texts: list[str]) -> torch.Tensor:
+def completion_loss(policy: Policy, prompts: list[EncodedPrompt], texts: list[str], samples: list[Sample] | None = None) -> torch.Tensor:
     """The supervised loss: the mean negative log-prob per token of each text, then the end of the turn
-    (``<|im_end|>``), after its prompt, through the trainer's one log-prob path (``sequence_logprobs``)."""
+    (``<|im_end|>``), after its prompt, through the trainer's one log-prob path (``sequence_logprobs``). A text
+    that calls its task's tools (``samples`` given) is replayed as the sampler feeds it: each call served and its
+    result's turn placed after it, as context (not imitated)."""
     eos = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    targets = [policy.tokenizer.encode(text, add_special_tokens=False) + [eos] for text in texts]
-    logprobs = sequence_logprobs(policy, prompts, list(range(len(prompts))), targets, temperature=1.0)
-    return -logprobs.sum() / sum(len(t) for t in targets)
+    server = ToolServer.for_rollout(policy, samples, prompts, 1, max_turns=1) if samples is not None else None
+    targets, turns = [], []
+    for index, text in enumerate(texts):
+        ids, row_turns = server.replay(index, text) if server is not None else (policy.tokenizer.encode(text, add_special_tokens=False), [])
+        targets.append(ids + [eos])
+        turns.append(row_turns)
+    logprobs = sequence_logprobs(policy, prompts, list(range(len(prompts))), targets, temperature=1.0, thought_turns=turns)
+    imitated = sum(len(t) for t in targets) - sum(len(turn.ids) for row in turns for turn in row)
+    return -logprobs.sum() / imitated  # the turns' tokens hold log-prob 0
 
 
 def train_supervised(parameters, steps: int, learning_rate: float, step_loss, *, label: str, report=None, report_every: int = 0):
@@ -80,6 +90,8 @@ def require_target(task) -> None:
 def task_targets(task, samples: list[Sample]) -> list[tuple[Sample, str]]:
     """(sample, ``task.target(sample)``) for every sample whose target is a non-empty string; a target that raises
     or returns anything else skips its sample, counted and said in one line with the first cause."""
+    if takes_context(task.target):  # written once each prompt is encoded (TargetBatches.take)
+        return [(sample, None) for sample in samples]
     pairs, skipped, first = [], 0, None
     for sample in samples:
         try:
@@ -96,6 +108,23 @@ def task_targets(task, samples: list[Sample]) -> list[tuple[Sample, str]]:
     if not pairs:
         raise WarmStartError(f"task {task.name!r}: target(sample) gave no completion for any of its {len(samples)} training samples ({first})")
     return pairs
+
+
+def takes_context(target) -> bool:
+    """Whether ``target`` is ``target(sample, context)``: a target that writes boxes (a zoom call) gets the
+    ``task_api.ToolContext`` of the encoded prompt, to write them in the model's frame."""
+    import inspect
+
+    return len(inspect.signature(target).parameters) >= 2
+
+
+def context_target(task, sample: Sample, prompt: EncodedPrompt, policy: Policy) -> str:
+    """``task.target(sample, context)`` for the prompt as the model sees it; ValueError when it gives no text."""
+    context = ToolContext(tuple(sample.images), prompt.input_sizes, prompt.original_sizes, policy.frame)
+    text = task.target(sample, context)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"sample {sample.id!r}: target gave {text!r}, not a non-empty str")
+    return text
 
 
 class TargetBatches:
@@ -119,18 +148,21 @@ class TargetBatches:
             if sample.id not in self.broken:
                 return sample, text
 
-    def take(self) -> tuple[list[EncodedPrompt], list[str]]:
-        prompts, texts = [], []
+    def take(self) -> tuple[list[EncodedPrompt], list[str], list[Sample]]:
+        prompts, texts, samples = [], [], []
         while len(prompts) < self._batch_size:
             sample, text = self._next_pair()
             try:
-                prompts.append(encode_prompt(self._policy, sample, self._task.instruction))
-            except ImageLoadError as error:  # VideoLoadError is one
+                prompt = encode_prompt(self._policy, sample, self._task.instruction)
+                text = text if text is not None else context_target(self._task, sample, prompt, self._policy)
+            except (ImageLoadError, ValueError) as error:  # VideoLoadError is one; a target that fails on the sample
                 self.broken.add(sample.id)
                 print(f"skipping training sample {sample.id!r} from now on: {error}", flush=True)
                 continue
+            prompts.append(prompt)
             texts.append(text)
-        return prompts, texts
+            samples.append(sample)
+        return prompts, texts, samples
 
 
 def held_out_metrics(policy: Policy, task, samples: list[Sample], settings: EvalSettings, description: str) -> dict[str, float]:

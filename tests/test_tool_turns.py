@@ -1,0 +1,151 @@
+"""Tool turns inside the thought (issue 46), through the HF tree sampler and the training forward.
+
+The thoughts' text is scripted (``scripted_thoughts``: an untrained model never writes a call), everything else
+is the real sampler: the turns fed between the model's pieces, their crops through the vision tower, the
+positions, the sampling log-probs; and the real trainer's forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+from scripted_thoughts import scripted
+
+from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
+from vlm_grpo_ma.engines.rollout import generate_rollout
+from vlm_grpo_ma.model.logprobs import shared_prefix_logprobs, sequence_logprobs
+from vlm_grpo_ma.model.prompts import encode_prompt
+from vlm_grpo_ma.task_api.registry import Sample, Task, register_task
+from vlm_grpo_ma.task_api.tools import ZOOM_TOOL
+
+ZOOM = '<think>a<tool_call>{"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [20, 10, 60, 50]}}</tool_call>'
+UNKNOWN = '<think>b<tool_call>{"name": "nope"}</tool_call>'
+K, M = 3, 2
+
+
+@pytest.fixture
+def zoom_samples(fresh_registry, tmp_path):
+    register_task(Task(name="zt", load=lambda *a: [], reward=lambda c, s: {"reward": 0.0}, instruction="", tools=(ZOOM_TOOL,)))
+    register_task(Task(name="plain", load=lambda *a: [], reward=lambda c, s: {"reward": 0.0}, instruction=""))
+    image = Image.new("RGB", (300, 200), (200, 30, 30))
+    image.paste((10, 200, 10), (100, 50, 140, 90))
+    image.save(tmp_path / "scene.png")
+    return [Sample("zt", "z0", "what colour?", (str(tmp_path / "scene.png"),), "green"),
+            Sample("zt", "z1", "what colour?", (str(tmp_path / "scene.png"),), "green")]  # fmt: skip
+
+
+def _rollout(monkeypatch, policy, samples, scripts, *, max_turns=2, max_thought_tokens=250):
+    prompts = [encode_prompt(policy, s, "") for s in samples]
+    with monkeypatch.context() as patch:
+        scripted(patch, policy, scripts, num_thought_rows=len(samples) * K)
+        settings = SamplingSettings(max_thought_tokens=max_thought_tokens, max_answer_tokens=6, max_turns=max_turns,
+                                    generators=prompt_generators(1, 0, len(samples)))  # fmt: skip
+        rollout = generate_rollout(policy, samples, prompts, num_thoughts=K, num_answers=M, settings=settings)
+    return prompts, rollout
+
+
+def _rows(rollout):
+    tree = rollout.tree
+    rows = range(len(tree.answer_ids))
+    completions = [tree.thought_ids[a // M] + tree.answer_ids[a] for a in rows]
+    return dict(
+        row_prompt=[a // (K * M) for a in rows],
+        completions=completions,
+        thought_lengths=[len(tree.thought_ids[a // M]) for a in rows],
+        turns=[tree.thought_turns[a // M] for a in rows],
+        engine=[torch.tensor(tree.thought_logprobs[a // M] + tree.answer_logprobs[a]) for a in rows],
+        sampled=[~torch.tensor(tree.thought_forced[a // M] + [False] * len(tree.answer_ids[a])) for a in rows],
+    )
+
+
+def test_the_trainer_scores_what_the_sampler_sampled_around_tool_turns(monkeypatch, tiny_policy, zoom_samples):
+    """Rows that look (a crop), fail (an error turn), look twice, or never call: the sampler's log-probs on the
+    model's own tokens equal the shared-prefix forward's and a full re-encode's in float32, and the two
+    forwards agree everywhere (turn tokens 0 in both). Planted: the block's positions as plain text (images
+    ignored): gap 0.3; the turns' images left out of the thought forward: it raised."""
+    scripts = {0: [ZOOM, "seen</think>"], 1: [UNKNOWN, ZOOM, "x</think>"], 4: [ZOOM]}
+    prompts, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples, scripts)
+    tree = rollout.tree
+    assert [len(t) for t in tree.thought_turns] == [1, 2, 0, 0, 1, 0]
+    assert [turn.error for turn in tree.thought_turns[1]] == [True, False]
+    assert tree.thought_turns[0][0].num_images == 1 and rollout.completions[0].tool_images == 1
+    assert rollout.completions[1 * M].invalid_tool_calls == 1 and rollout.completions[1 * M].tool_calls == 2
+    assert "nope" in rollout.completions[1 * M].thought  # the error turn's text, as the model read it
+    rows = _rows(rollout)
+    with torch.no_grad():
+        shared = shared_prefix_logprobs(tiny_policy, prompts, rows["row_prompt"], rows["completions"], rows["thought_lengths"],
+                                        temperature=1.0, thought_turns=rows["turns"])  # fmt: skip
+        full = sequence_logprobs(tiny_policy, prompts, rows["row_prompt"], rows["completions"], temperature=1.0, thought_turns=rows["turns"])
+    for a, completion in enumerate(rows["completions"]):
+        n, own = len(completion), rows["sampled"][a]
+        assert float((shared[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
+        assert float((full[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
+    assert torch.isfinite(shared).all() and float((shared - full).abs().max()) < 1e-4
+
+
+def test_the_gradient_through_tool_turns_equals_a_re_encode(monkeypatch, tiny_policy, zoom_samples):
+    """The shared-prefix forward's parameter gradient equals the re-encode's, crops included (the vision tower
+    trained here): backward runs through the turns' cache and their images. Planted: crop features detached in
+    the thought forward: the vision tower's gradients differed."""
+    prompts, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples, {0: [ZOOM, "ok</think>"], 3: [UNKNOWN, "y</think>"]})
+    rows = _rows(rollout)
+    weights = [torch.linspace(0.5, 1.5, len(c)) * own for c, own in zip(rows["completions"], rows["sampled"], strict=True)]
+    grads = []
+    tiny_policy.model.requires_grad_(True)
+    try:
+        for share in (True, False):
+            tiny_policy.model.zero_grad(set_to_none=True)
+            if share:
+                lp = shared_prefix_logprobs(tiny_policy, prompts, rows["row_prompt"], rows["completions"], rows["thought_lengths"],
+                                            temperature=1.0, thought_turns=rows["turns"])  # fmt: skip
+            else:
+                lp = sequence_logprobs(tiny_policy, prompts, rows["row_prompt"], rows["completions"], temperature=1.0, thought_turns=rows["turns"])
+            loss = sum((lp[a, : len(w)] * w).sum() for a, w in enumerate(weights))
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in tiny_policy.model.named_parameters() if p.grad is not None})
+    finally:
+        tiny_policy.model.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys()
+    assert any("visual" in name for name in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+def test_a_call_past_max_turns_closes_the_thought_out_of_the_loss(monkeypatch, tiny_policy, zoom_samples):
+    """With max_turns=1 a second call closes the thought with a forced "</think>" (over-turn); a script of a
+    thousand calls gets no further. Its tokens and its answers get weight 0. Planted: the bound not checked: 3 turns served."""
+    from vlm_grpo_ma.run.batch import build_train_batch
+
+    many = [ZOOM] + [ZOOM.replace("<think>a", "")] * 1000
+    prompts, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples, {0: [ZOOM, ZOOM, "z</think>"], 2: many}, max_turns=1)
+    tree = rollout.tree
+    assert tree.thought_over_turns[0] and tree.thought_over_turns[2] and not tree.thought_over_turns[1]
+    assert len(tree.thought_turns[0]) == 1 and len(tree.thought_turns[2]) == 1
+    assert rollout.completions[0].thought.endswith("</tool_call></think>")
+    assert not tree.thought_truncated[0] and rollout.completions[0].tool_calls == 2
+    batch = build_train_batch(rollout, torch.ones(2, K), torch.ones(2, K, M), truncated_thoughts="close")
+    for m in range(M):
+        assert float(batch.token_mask[0 * M + m].sum()) == 0.0  # neither the thought nor its answers
+    assert float(batch.token_mask[1 * M].sum()) > 0
+    turn = tree.thought_turns[0][0]
+    own_mask = batch.token_mask[1 * M][: len(tree.thought_ids[1])]
+    assert batch.thought_turns[0] == tree.thought_turns[0]
+    assert all(own_mask == 1)  # a thought without turns trains every token it sampled
+    row4 = 4 * M  # a thought with a served turn and no over-turn: its turn's tokens are context
+    if tree.thought_turns[4]:
+        t4 = tree.thought_turns[4][0]
+        assert float(batch.token_mask[row4, t4.start : t4.start + len(t4.ids)].sum()) == 0.0
+    assert turn.start > 0
+
+
+def test_a_result_over_the_thought_budget_truncates_and_plain_tasks_do_not_stop(monkeypatch, tiny_policy, zoom_samples, tmp_path):
+    """A turn that does not fit in what is left of max_thought_tokens truncates the thought instead of
+    overflowing it; a task without tools writes "</tool_call>" as text and goes on thinking. Planted: the
+    budget check dropped: a 130-token thought with a 100-token budget."""
+    call_tokens = len(tiny_policy.tokenizer.encode(ZOOM, add_special_tokens=False))
+    prompts, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples, {0: [ZOOM, "q</think>"]}, max_thought_tokens=call_tokens + 12)
+    assert rollout.tree.thought_truncated[0] and not rollout.tree.thought_turns[0]
+    assert all(len(ids) <= call_tokens + 12 for ids in rollout.tree.thought_ids)
+    plain = [Sample("plain", "p", "q", zoom_samples[0].images, "x")]
+    _, rollout = _rollout(monkeypatch, tiny_policy, plain, {0: [ZOOM, "more</think>"]})
+    assert not rollout.tree.thought_turns[0] and rollout.completions[0].thought.endswith("more</think>")
