@@ -36,6 +36,7 @@ class EvalSettings:
     max_thought_tokens: int = 40
     max_answer_tokens: int = 24
     seed: int = 0
+    max_turns: int = 3  # tool calls a thought may make (tasks with tools, rollout.max_turns)
 
     def __post_init__(self):
         if self.samples < 1:
@@ -155,6 +156,7 @@ def generate_records(
                     temperature=0.0 if settings.greedy else settings.temperature,
                     max_thought_tokens=settings.max_thought_tokens,
                     max_answer_tokens=settings.max_answer_tokens,
+                    max_turns=settings.max_turns,
                     # per sample: what a sample gets does not depend on the batch size or on resuming
                     generators=[prompt_generators(settings.seed, position[s.id], 1)[0] for s in encodable],
                 )

@@ -40,7 +40,8 @@ def evaluate_held_out(policy: Policy, eval_sets: dict, cfg: Config, folder: Path
     prediction drawn to ``folder/draw/<task>/`` (the CLI's ``draw_predictions``; the trackers log them), by the
     main process."""
     settings = EvalSettings(
-        max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens, seed=cfg.train.seed
+        max_thought_tokens=cfg.rollout.max_thought_tokens, max_answer_tokens=cfg.rollout.max_answer_tokens, seed=cfg.train.seed,
+        max_turns=cfg.rollout.max_turns,
     )
     rank, processes = accelerator.process_index, accelerator.num_processes
     batch_size = cfg.train.prompts_per_step * cfg.rollout.num_thoughts

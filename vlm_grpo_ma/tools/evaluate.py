@@ -274,6 +274,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=1, help="answers per prompt; 1 = greedy (default), >1 = pass@k")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature when --samples > 1")
     parser.add_argument("--max-thought-tokens", type=int, default=40)
+    parser.add_argument("--max-turns", type=int, default=3, help="tool calls a thought may make (tasks with tools, e.g. zoom)")
     parser.add_argument("--max-answer-tokens", type=int, default=24)
     parser.add_argument("--limit", type=int, help="score only the first N samples of each benchmark")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
@@ -329,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         for value, name in ((args.limit, "--limit"), (args.batch_size, "--batch-size")):
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+        if args.max_turns < 0:
+            raise ValueError(f"--max-turns={args.max_turns} must be >= 0 (0: thoughts call no tool)")
         # each flag given replaces that one key of a model's budget (its run's, else training's defaults)
         chosen = {"fps": args.video_fps, "max_frames": args.video_max_frames, "max_pixels": args.video_max_pixels}
         video_overrides = {key: value for key, value in chosen.items() if value is not None}
@@ -340,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--video-max-frames={args.video_max_frames} must be >= 2")
         settings = EvalSettings(
             samples=args.samples, temperature=args.temperature, max_thought_tokens=args.max_thought_tokens,
-            max_answer_tokens=args.max_answer_tokens, seed=args.seed,
+            max_answer_tokens=args.max_answer_tokens, seed=args.seed, max_turns=args.max_turns,
         )
         if args.harness:
             return _run_harness(args)

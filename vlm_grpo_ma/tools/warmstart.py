@@ -498,6 +498,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="held-out samples scored (default 100)")
     parser.add_argument("--max-thought-tokens", type=int, default=40, help="thought limit of the held-out scoring")
     parser.add_argument("--max-answer-tokens", type=int, default=24, help="answer limit of the held-out scoring")
+    parser.add_argument("--max-turns", type=int, default=3, help="tool calls a held-out thought may make (tasks with tools)")
     parser.add_argument("--snapshot", type=Path, help="generated streams: also save the model at every held-out report")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="weights while training and saved (default float32)")
@@ -540,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--slip-rate must be a share in [0, 1], got {args.slip_rate}")
     if args.slip_rate and args.task not in ("counting", "video"):
         parser.error(f"--slip-rate puts slips in counting and video labels; --task {args.task} has none")
-    settings = EvalSettings(max_thought_tokens=args.max_thought_tokens, max_answer_tokens=args.max_answer_tokens)
+    settings = EvalSettings(max_thought_tokens=args.max_thought_tokens, max_answer_tokens=args.max_answer_tokens, max_turns=args.max_turns)
     if args.task not in STREAMS:
         warm_start_from_args(args, settings)
         return
