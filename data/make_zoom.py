@@ -13,7 +13,7 @@ say nothing about which one is in the frame. Question: "What colour is the small
 answer: the colour word.
 
 Why these sizes: the embedded model's processor shrinks every image to at most 28,224 pixels (168x168; 14-px
-patches merged 2x2, 28 px a token), a 4x downscale of these scenes. The frame (90-130 px, 8-px stroke) stays a
+patches merged 2x2, 28 px a token), a 4x downscale of these scenes. The frame (112 px, 8-px stroke, at the centre of one of nine grid cells) stays a
 clear 22-32 px outline there; the target (10-16 px) becomes a 2-4 px speck, under 2% of the frame's interior and
 of a token, whose colour is diluted into the background (``legibility``: the mean colour of the frame's interior
 at 168x168 is far from the target's colour: it carries under 6% of it). Not erased: the speck keeps a pixel or four of nearly its own colour,
@@ -62,7 +62,10 @@ IMAGE_SIZE = 672
 MODEL_SIDE = 168  # the side the embedded model sees a square image at (28,224 pixels at most)
 QUESTION = "What colour is the small shape inside the frame?"
 
-FRAME_SIDES = (90, 130)  # outer side, inclusive range
+FRAME_SIDES = (112, 112)  # outer side, inclusive range
+# The frame sits at the centre of one cell of a 3 x 3 grid (nine places, as the grounding scenes' "top left" ...
+# "bottom right"): finding it is a choice among nine for the embedded model, reading the colour is the zoom's job
+GRID = 3
 FRAME_STROKE = 8  # 2 px at 168x168: a clear outline at the model's resolution
 FRAME_COLOUR = (45, 45, 55)
 TARGET_SIDES = (10, 16)  # the target's and the distractors' sides, inclusive range
@@ -77,7 +80,7 @@ CLUTTER_LINES = (6, 12)
 CLUTTER_RINGS = (3, 6)
 
 # legibility thresholds: what `--check` and the tests hold every scene to
-# at most this share of the target's colour in the 168x168 interior's mean: a 10-16 px target in a 74-114 px
+# at most this share of the target's colour in the 168x168 interior's mean: a 10-16 px target in a 96 px
 # interior is 1-5% of it; a 30 px one would be 7% or more
 MAX_LOW_RES_SHARE = 0.06
 MIN_CROP_PIXELS = 50  # pixels within CROP_COLOUR_TOLERANCE of the target's colour in the crop of the frame
@@ -132,10 +135,8 @@ def make_scene(rng: random.Random) -> tuple[Image.Image, dict]:
         )
         _clutter(image, rng, shade)
         side = rng.randint(*FRAME_SIDES)
-        fx, fy = (
-            rng.randint(BORDER, IMAGE_SIZE - BORDER - side),
-            rng.randint(BORDER, IMAGE_SIZE - BORDER - side),
-        )
+        cell = IMAGE_SIZE // GRID
+        fx, fy = (rng.randrange(GRID) * cell + (cell - side) // 2, rng.randrange(GRID) * cell + (cell - side) // 2)
         frame: Box = (fx, fy, fx + side, fy + side)
         colour = rng.choice(list(COLOURS))
         per_colour = rng.randint(*COLOUR_COUNTS)
@@ -176,6 +177,7 @@ def make_scene(rng: random.Random) -> tuple[Image.Image, dict]:
             "width": IMAGE_SIZE,
             "height": IMAGE_SIZE,
             "frame_box": list(frame),
+            "frame_place": _grounding.region(frame, IMAGE_SIZE, IMAGE_SIZE),
             "target_box": [tx + bx1, ty + by1, tx + bx2, ty + by2],
             "shape": target_shape,
             "distractors": len(drawn),

@@ -159,7 +159,7 @@ def draw(image: Image.Image, sample: Sample, predicted: dict | None) -> Image.Im
 
 # The warm start's planted flaw (``target``): on this share of the training scenes, chosen by the sample's id, the
 # target looks in the wrong place (the frame's box moved half the image across in both directions, kept inside the
-# image: a region away from the frame), sees no shape
+# image: a region away from the frame, though the thought names the frame's place), sees no shape
 # there and guesses MISLOOK_GUESS. The warm-started model therefore zooms into the frame on about half its thoughts
 # and elsewhere on the rest; RL has a systematic error to correct whose fix shows as held-out accuracy and as the
 # share of useful looks (``crop_hit``), as the loose boxes do for grounding.
@@ -189,7 +189,9 @@ def target(sample: Sample, context: ToolContext) -> str:
     box = [round(v) for v in context.from_original_pixels([x1, y1, x2, y2])]
     call = json.dumps({"name": ZOOM_TOOL.name, "arguments": {"bbox_2d": box}})
     seen = MISLOOK_GUESS if misses(sample) else sample.answer
-    return f"<think><tool_call>{call}</tool_call>{seen}</think><answer>{seen}</answer>"
+    place = sample.meta.get("frame_place", "here")
+    return f"<think>the frame is {place}<tool_call>{call}</tool_call>{seen}</think><answer>{seen}</answer>"
+
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -333,6 +335,8 @@ def _project_sample(row: dict, sample_id: str, root: Path, where: str, images: d
         if row.get(name) is not None:
             meta[name] = _box(row[name], where, name)
     meta.update({key: row[key] for key in ("width", "height") if key in row})
+    if isinstance(row.get("frame_place"), str):  # the frame's grid cell in words ("at the top left")
+        meta["frame_place"] = row["frame_place"][:40]
     return Sample(
         task=NAME,
         id=_text(row["id"]) or sample_id,

@@ -620,3 +620,19 @@ def test_qwen3_5_tree_shared_bytes_equal_what_the_training_forward_saves(tokeniz
                                                           thought_tokens=thought_tokens, rows=thoughts * answers, answer_tokens=answer_tokens,
                                                           layer_type=kind)  # fmt: skip
         assert predicted == pytest.approx(measured[kind] / layers, rel=0.05), kind
+
+
+def test_crops_add_a_trained_tower_s_activations_per_distinct_thought():
+    """A thought's crops (a task with tools) lie inside its token budget; a trained vision tower keeps its
+    activations for each distinct thought's crops on top of the prompts'. With the tower frozen they add
+    nothing. Planted: the crops left out of the vision term: the first assert failed."""
+    arch = architecture_of("tiny")
+    trained = _cfg("model.freeze_vision=false", "train.micro_batch_rows=64")
+    plain, crops = (memory_model.estimate(arch, trained, 1, "ddp", tool_images_per_thought=n) for n in (0, 2))
+    per_crop = memory_model.visual_tokens(arch, trained.model.max_pixels) * arch.vision["spatial_merge_size"] ** 2
+    width = arch.vision.get("embed_dim") or arch.vision["hidden_size"]
+    thoughts = 64 // trained.rollout.num_answers
+    expected = thoughts * 2 * per_crop * width * memory_model.compute_bytes(trained) * arch.vision["depth"]
+    assert crops.update_peak - plain.update_peak == expected
+    frozen = _cfg("train.micro_batch_rows=64")
+    assert memory_model.estimate(arch, frozen, 1, "ddp", tool_images_per_thought=2).update_peak == memory_model.estimate(arch, frozen, 1, "ddp").update_peak

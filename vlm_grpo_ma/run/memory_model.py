@@ -313,11 +313,13 @@ def decode_cache_bytes(arch: Architecture, cfg: Config, rows: int, tokens: int) 
 
 def estimate(
     arch: Architecture, cfg: Config, processes: int = 1, strategy: str = "ddp", prompt_text_tokens: int = PROMPT_TEXT_TOKENS,
-    device_bytes: int | None = None, videos_per_prompt: int = 0,
+    device_bytes: int | None = None, videos_per_prompt: int = 0, tool_images_per_thought: int = 0,
 ) -> MemoryEstimate:  # fmt: skip
     """The bytes per GPU of ``cfg`` on ``processes`` GPUs under ``strategy``. ``device_bytes``: one GPU's memory,
     needed where the vLLM engine samples (it takes a share of it). ``videos_per_prompt``: the most videos a
-    sample of the run's data holds (0: data without videos adds nothing)."""
+    sample of the run's data holds (0: data without videos adds nothing). ``tool_images_per_thought``: the crops a
+    thought may get back (``rollout.max_turns`` for a task with tools): their tokens lie inside the thought's
+    budget, so only a trained vision tower's activations for them are added."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if videos_per_prompt < 0:
@@ -378,7 +380,10 @@ def estimate(
         # temporal_patch_size frames each)
         patches = prompt_visual_tokens * v["spatial_merge_size"] ** 2
         distinct_prompts = min(micro, prompts)  # rows of one prompt share its images' and videos' encoding
-        vision = distinct_prompts * patches * width * a * v["depth"]
+        # each distinct thought's crops, at most one image's tokens each (the processor's image budget)
+        crop_patches = tool_images_per_thought * visual_tokens(arch, cfg.model.max_pixels) * v["spatial_merge_size"] ** 2
+        distinct_thoughts = min(math.ceil(micro / m), prompts * k)
+        vision = (distinct_prompts * patches + distinct_thoughts * crop_patches) * width * a * v["depth"]
     activations = decoder + head + lora_casts + vision
 
     kv_rows = prompts * (k * m + k)
@@ -417,20 +422,22 @@ def _with_tree(cfg: Config, thoughts: int, answers: int) -> Config:
 
 
 def tree_too_large(
-    arch: Architecture, cfg: Config, processes: int, strategy: str, memory_bytes: int, *, videos_per_prompt: int = 0
+    arch: Architecture, cfg: Config, processes: int, strategy: str, memory_bytes: int, *, videos_per_prompt: int = 0,
+    tool_images_per_thought: int = 0,
 ) -> str | None:  # fmt: skip
     """Why the run's K x M cannot fit in ``memory_bytes`` per process by this model's own estimate, naming the
     keys and the largest tree that fits; None when the estimated peak fits, or when even K = 2, M = 1 (the
     smallest tree a config allows) does not: then the model or the micro-batch is what is too large, not the
     tree, and the estimate leaves out what a user may add against that, such as offloading. Only the estimate's peak against the whole memory: the
-    CUDA context and the allocator's slack are not counted, so a run this refuses cannot fit. ``videos_per_prompt``:
-    as ``estimate``'s."""
+    CUDA context and the allocator's slack are not counted, so a run this refuses cannot fit. ``videos_per_prompt``,
+    ``tool_images_per_thought``: as ``estimate``'s."""
     k, m = cfg.rollout.num_thoughts, cfg.rollout.num_answers
 
     def peak(thoughts: int, answers: int) -> int:
-        return estimate(arch, _with_tree(cfg, thoughts, answers), processes, strategy, videos_per_prompt=videos_per_prompt).peak
+        return estimate(arch, _with_tree(cfg, thoughts, answers), processes, strategy, videos_per_prompt=videos_per_prompt,
+                        tool_images_per_thought=tool_images_per_thought).peak  # fmt: skip
 
-    run = estimate(arch, cfg, processes, strategy, videos_per_prompt=videos_per_prompt)
+    run = estimate(arch, cfg, processes, strategy, videos_per_prompt=videos_per_prompt, tool_images_per_thought=tool_images_per_thought)
     if run.peak <= memory_bytes or peak(2, 1) > memory_bytes:
         return None
 

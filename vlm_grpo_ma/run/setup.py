@@ -168,7 +168,7 @@ def busy_machine_warning(load_1min: float, cores: int, threads: int, processes: 
     )
 
 
-def check_tree_fits(cfg: Config, accelerator, videos_per_prompt: int = 0) -> None:
+def check_tree_fits(cfg: Config, accelerator, videos_per_prompt: int = 0, tool_images_per_thought: int = 0) -> None:
     """ConfigError when the memory model (``memory_model.tree_too_large``) predicts that the run's K x M trees
     cannot fit in a process's memory. The HF engine's KV cache is what it counts: a vLLM engine sizes its own
     cache, and a model the memory model does not know is not checked. Called before anything loads (no
@@ -183,7 +183,8 @@ def check_tree_fits(cfg: Config, accelerator, videos_per_prompt: int = 0) -> Non
         return
     strategy = "fsdp" if accelerator.num_processes > 1 and sharding.launch_settings() is not None else "ddp"
     problem = tree_too_large(
-        arch, cfg, accelerator.num_processes, strategy, device_memory_bytes(accelerator.device), videos_per_prompt=videos_per_prompt
+        arch, cfg, accelerator.num_processes, strategy, device_memory_bytes(accelerator.device), videos_per_prompt=videos_per_prompt,
+        tool_images_per_thought=tool_images_per_thought,
     )  # fmt: skip
     if problem is not None:
         raise ConfigError(problem)
@@ -206,8 +207,9 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     with survive.together(accelerator):  # a task that needs a judge the settings do not give: every process stops
         judge = judge_for(cfg.judge, tasks.values(), run_dir)
     max_videos = max(len(sample.videos) for sample in stream.samples)
-    if max_videos:  # the start's check counted no video tokens: again, with the data's
-        check_tree_fits(cfg, accelerator, videos_per_prompt=max_videos)
+    tool_images = cfg.rollout.max_turns if any(task.tools for task in tasks.values()) else 0
+    if max_videos or tool_images:  # the start's check counted no video tokens nor crops: again, with the data's
+        check_tree_fits(cfg, accelerator, videos_per_prompt=max_videos, tool_images_per_thought=tool_images)
 
     with survive.together(accelerator):  # the main process chooses the checkpoint; the others load that one
         last, history_state = checkpoint_to_resume(run_dir, resume) if is_main else (None, None)

@@ -27,8 +27,9 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
 
 
-def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_gb: float, videos_per_prompt: int = 0) -> str:
-    e = estimate(arch, cfg, processes, strategy, device_bytes=int(gpu_gb * 1e9), videos_per_prompt=videos_per_prompt)
+def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_gb: float, videos_per_prompt: int = 0, tool_images: int = 0) -> str:
+    e = estimate(arch, cfg, processes, strategy, device_bytes=int(gpu_gb * 1e9), videos_per_prompt=videos_per_prompt,
+                 tool_images_per_thought=tool_images)  # fmt: skip
     lines = [
         f"{cfg.model.name_or_path}: {parameter_counts(arch).total:,} parameters, {e.trained_elements:,} trained; "
         f"{processes} process(es), {strategy}, {e.micro_batches_per_process} micro-batch(es) per process and step",
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", choices=STRATEGIES, default="ddp", help="ddp: every GPU holds the model; fsdp: sharded")
     parser.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory to compare the peak with (default 80)")
     parser.add_argument("--all", action="store_true", help="a table of every preset on 1 and 8 GPUs of 80 and 141 GB")
+    parser.add_argument("--tool-images", type=int, default=0,
+                        help="crops a thought may get back (rollout.max_turns, for a task with tools such as zoom; default 0)")
     parser.add_argument("--videos-per-prompt", type=int, default=0,
                         help="the most videos a sample of the data holds, each counted at the model.video_* budget (default 0)")
     parser.add_argument("overrides", nargs="*", help="config overrides section.key=value")
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         parser.error("give --config PRESET, or --all")
     try:
+        if args.tool_images < 0:
+            raise ValueError(f"--tool-images={args.tool_images} must be >= 0")
         if args.videos_per_prompt < 0:
             raise ValueError(f"--videos-per-prompt={args.videos_per_prompt} must be >= 0")
         cfg = load_config(args.config, args.overrides)
@@ -115,5 +120,5 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(report(arch, cfg, args.processes, args.strategy, args.gpu_gb, args.videos_per_prompt))
+    print(report(arch, cfg, args.processes, args.strategy, args.gpu_gb, args.videos_per_prompt, args.tool_images))
     return 0
