@@ -31,7 +31,19 @@ def zoom_samples(fresh_registry, tmp_path):
     image.paste((10, 200, 10), (100, 50, 140, 90))
     image.save(tmp_path / "scene.png")
     return [Sample("zt", "z0", "what colour?", (str(tmp_path / "scene.png"),), "green"),
-            Sample("zt", "z1", "what colour?", (str(tmp_path / "scene.png"),), "green")]  # fmt: skip
+            Sample("zt", "z1", "what colour?", (str(tmp_path / "scene.png"),), "green"),
+            Sample("plain", "p", "what colour?", (str(tmp_path / "scene.png"),), "green")]  # fmt: skip
+
+
+# One tree for most tests: thought 0 looks once, 1 fails then looks, 2 calls a thousand times (over-turn at its
+# third call), 4 looks and goes on sampling, 6 belongs to a task without tools and writes a call as text.
+SCRIPTS = {0: [ZOOM, "seen</think>"], 1: [UNKNOWN, ZOOM, "x</think>"], 2: [ZOOM] + [ZOOM.replace("<think>a", "")] * 1000,
+           4: [ZOOM], 6: [ZOOM, "more</think>"]}  # fmt: skip
+
+
+@pytest.fixture
+def tree_with_turns(monkeypatch, tiny_policy, zoom_samples):
+    return _rollout(monkeypatch, tiny_policy, zoom_samples, SCRIPTS, max_thought_tokens=330)
 
 
 def _rollout(monkeypatch, policy, samples, scripts, *, max_turns=2, max_thought_tokens=250):
@@ -58,15 +70,14 @@ def _rows(rollout):
     )
 
 
-def test_the_trainer_scores_what_the_sampler_sampled_around_tool_turns(monkeypatch, tiny_policy, zoom_samples):
+def test_the_trainer_scores_what_the_sampler_sampled_around_tool_turns(tiny_policy, tree_with_turns):
     """Rows that look (a crop), fail (an error turn), look twice, or never call: the sampler's log-probs on the
     model's own tokens equal the shared-prefix forward's and a full re-encode's in float32, and the two
     forwards agree everywhere (turn tokens 0 in both). Planted: the block's positions as plain text (images
-    ignored): gap 0.3; the turns' images left out of the thought forward: it raised."""
-    scripts = {0: [ZOOM, "seen</think>"], 1: [UNKNOWN, ZOOM, "x</think>"], 4: [ZOOM]}
-    prompts, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples, scripts)
+    ignored): this failed."""
+    prompts, rollout = tree_with_turns
     tree = rollout.tree
-    assert [len(t) for t in tree.thought_turns] == [1, 2, 0, 0, 1, 0]
+    assert [len(t) for t in tree.thought_turns] == [1, 2, 2, 0, 1, 0, 0, 0, 0]
     assert [turn.error for turn in tree.thought_turns[1]] == [True, False]
     assert tree.thought_turns[0][0].num_images == 1 and rollout.completions[0].tool_images == 1
     assert rollout.completions[1 * M].invalid_tool_calls == 1 and rollout.completions[1 * M].tool_calls == 2
@@ -83,11 +94,11 @@ def test_the_trainer_scores_what_the_sampler_sampled_around_tool_turns(monkeypat
     assert torch.isfinite(shared).all() and float((shared - full).abs().max()) < 1e-4
 
 
-def test_the_gradient_through_tool_turns_equals_a_re_encode(monkeypatch, tiny_policy, zoom_samples):
+def test_the_gradient_through_tool_turns_equals_a_re_encode(tiny_policy, tree_with_turns):
     """The shared-prefix forward's parameter gradient equals the re-encode's, crops included (the vision tower
-    trained here): backward runs through the turns' cache and their images. Planted: crop features detached in
-    the thought forward: the vision tower's gradients differed."""
-    prompts, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples, {0: [ZOOM, "ok</think>"], 3: [UNKNOWN, "y</think>"]})
+    trained here): backward runs through the turns' cache and their images. Planted: the block's positions as
+    plain text (images ignored) in the shared forward: the gradients differed."""
+    prompts, rollout = tree_with_turns
     rows = _rows(rollout)
     weights = [torch.linspace(0.5, 1.5, len(c)) * own for c, own in zip(rows["completions"], rows["sampled"], strict=True)]
     grads = []
@@ -111,41 +122,35 @@ def test_the_gradient_through_tool_turns_equals_a_re_encode(monkeypatch, tiny_po
         torch.testing.assert_close(grads[0][name], grads[1][name], atol=2e-5, rtol=1e-3, msg=name)
 
 
-def test_a_call_past_max_turns_closes_the_thought_out_of_the_loss(monkeypatch, tiny_policy, zoom_samples):
-    """With max_turns=1 a second call closes the thought with a forced "</think>" (over-turn); a script of a
-    thousand calls gets no further. Its tokens and its answers get weight 0. Planted: the bound not checked: 3 turns served."""
+def test_a_call_past_max_turns_closes_the_thought_out_of_the_loss(tree_with_turns):
+    """With max_turns=2 the third call closes the thought with a forced "</think>" (over-turn): a script of a
+    thousand calls gets no further. Its tokens and its answers get weight 0; a served turn's tokens are context
+    (weight 0) in a thought that is trained; a task without tools writes "</tool_call>" as text and goes on.
+    Planted: the bound not checked (the thought then ran to its token limit with 3 turns); the over-turn mask
+    dropped in batch.py."""
     from vlm_grpo_ma.run.batch import build_train_batch
 
-    many = [ZOOM] + [ZOOM.replace("<think>a", "")] * 1000
-    prompts, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples, {0: [ZOOM, ZOOM, "z</think>"], 2: many}, max_turns=1)
+    _, rollout = tree_with_turns
     tree = rollout.tree
-    assert tree.thought_over_turns[0] and tree.thought_over_turns[2] and not tree.thought_over_turns[1]
-    assert len(tree.thought_turns[0]) == 1 and len(tree.thought_turns[2]) == 1
-    assert rollout.completions[0].thought.endswith("</tool_call></think>")
-    assert not tree.thought_truncated[0] and rollout.completions[0].tool_calls == 2
-    batch = build_train_batch(rollout, torch.ones(2, K), torch.ones(2, K, M), truncated_thoughts="close")
+    assert [t for t, over in enumerate(tree.thought_over_turns) if over] == [2]
+    assert len(tree.thought_turns[2]) == 2 and not tree.thought_truncated[2]
+    assert rollout.completions[2 * M].thought.endswith("</tool_call></think>") and rollout.completions[2 * M].tool_calls == 3
+    assert not tree.thought_turns[6] and rollout.completions[6 * M].thought.endswith("more</think>")
+    batch = build_train_batch(rollout, torch.ones(3, K), torch.ones(3, K, M), truncated_thoughts="close")
     for m in range(M):
-        assert float(batch.token_mask[0 * M + m].sum()) == 0.0  # neither the thought nor its answers
-    assert float(batch.token_mask[1 * M].sum()) > 0
-    turn = tree.thought_turns[0][0]
-    own_mask = batch.token_mask[1 * M][: len(tree.thought_ids[1])]
+        assert float(batch.token_mask[2 * M + m].sum()) == 0.0  # neither the thought nor its answers
     assert batch.thought_turns[0] == tree.thought_turns[0]
-    assert all(own_mask == 1)  # a thought without turns trains every token it sampled
-    row4 = 4 * M  # a thought with a served turn and no over-turn: its turn's tokens are context
-    if tree.thought_turns[4]:
-        t4 = tree.thought_turns[4][0]
-        assert float(batch.token_mask[row4, t4.start : t4.start + len(t4.ids)].sum()) == 0.0
-    assert turn.start > 0
+    for t in (0, 1, 3):  # every token the policy sampled is trained, no turn token is
+        own = [not forced for forced in tree.thought_forced[t]]
+        assert batch.token_mask[t * M][: len(own)].tolist() == [float(x) for x in own]
+        for turn in tree.thought_turns[t]:
+            assert float(batch.token_mask[t * M, turn.start : turn.start + len(turn.ids)].sum()) == 0.0
 
 
-def test_a_result_over_the_thought_budget_truncates_and_plain_tasks_do_not_stop(monkeypatch, tiny_policy, zoom_samples, tmp_path):
+def test_a_result_over_the_thought_budget_truncates(monkeypatch, tiny_policy, zoom_samples):
     """A turn that does not fit in what is left of max_thought_tokens truncates the thought instead of
-    overflowing it; a task without tools writes "</tool_call>" as text and goes on thinking. Planted: the
-    budget check dropped: a 130-token thought with a 100-token budget."""
+    overflowing it. Planted: the budget check dropped: thoughts past the budget."""
     call_tokens = len(tiny_policy.tokenizer.encode(ZOOM, add_special_tokens=False))
-    prompts, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples, {0: [ZOOM, "q</think>"]}, max_thought_tokens=call_tokens + 12)
+    _, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples[:1], {0: [ZOOM, "q</think>"]}, max_thought_tokens=call_tokens + 12)
     assert rollout.tree.thought_truncated[0] and not rollout.tree.thought_turns[0]
     assert all(len(ids) <= call_tokens + 12 for ids in rollout.tree.thought_ids)
-    plain = [Sample("plain", "p", "q", zoom_samples[0].images, "x")]
-    _, rollout = _rollout(monkeypatch, tiny_policy, plain, {0: [ZOOM, "more</think>"]})
-    assert not rollout.tree.thought_turns[0] and rollout.completions[0].thought.endswith("more</think>")
