@@ -50,10 +50,10 @@ from vlm_grpo_ma.task_api import (
     TRUTH_COLOUR,
     ZOOM_TOOL,
     BadRow,
-    ToolContext,
     Completion,
     Sample,
     Task,
+    ToolContext,
     checked_source_file,
     detect_schema,
     draw_marks,
@@ -422,5 +422,6 @@ TASK = register_task(
         draw=draw,
         tools=(ZOOM_TOOL,),
         target=target,
+        default_model=str(Path(__file__).resolve().parents[1] / "vlm_grpo_ma" / "assets" / "tiny-qwen2.5-vl-zoom"),
     )
 )

@@ -7,8 +7,6 @@ own segments, the tool turns fall between them); rows without a script, and ever
 
 from __future__ import annotations
 
-import torch
-
 from vlm_grpo_ma.engines import decode
 from vlm_grpo_ma.model.logprobs import _policy_logprobs
 

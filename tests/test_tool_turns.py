@@ -13,7 +13,7 @@ from scripted_thoughts import scripted
 
 from vlm_grpo_ma.engines.decode import SamplingSettings, prompt_generators
 from vlm_grpo_ma.engines.rollout import generate_rollout
-from vlm_grpo_ma.model.logprobs import shared_prefix_logprobs, sequence_logprobs
+from vlm_grpo_ma.model.logprobs import sequence_logprobs, shared_prefix_logprobs
 from vlm_grpo_ma.model.prompts import encode_prompt
 from vlm_grpo_ma.task_api.registry import Sample, Task, register_task
 from vlm_grpo_ma.task_api.tools import ZOOM_TOOL
