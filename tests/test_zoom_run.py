@@ -57,8 +57,9 @@ def test_vllm_samples_tool_turns_with_the_trainers_logprobs():
     """The vLLM engine continues each thought after its served call, the crop added to the request's images: the
     trees hold turns with crops, vLLM's expansion of each continuation equals the trainer's ids (the engine
     checks), its log-probs on the model's own tokens are the trainer's in float32, and the prefix cache serves
-    the continuations and the answers. Planted: the crops left out of the continuation's images (vLLM then
-    refused the request's placeholder)."""
+    the continuations and the answers. A thought that ended is not served again. Planted: the crops left out of
+    the continuation's images (vLLM then refused the request's placeholder); a finished thought left waiting
+    (the bug the first version had: it was served again and closed twice, "red</think></think>")."""
     from test_engines import _needs_vllm
 
     _needs_vllm()
@@ -82,6 +83,10 @@ def test_vllm_samples_tool_turns_with_the_trainers_logprobs():
     finally:
         engine.close(True)
     assert sum(turn.num_images for turns in tree.thought_turns for turn in turns) >= 2
+    for ids, turns in zip(tree.thought_ids, tree.thought_turns, strict=True):  # a finished thought is not continued
+        text = policy.tokenizer.decode(ids)
+        assert text.count("</think>") == 1 and text.endswith("</think>")
+        assert len(turns) == text.count("</tool_call>") - int(text.endswith("</tool_call></think>"))
     rows = range(len(tree.answer_ids))
     completions = [tree.thought_ids[a // M] + tree.answer_ids[a] for a in rows]
     with torch.no_grad():

@@ -404,12 +404,8 @@ class VLLMEngine:
         is waiting: each continuation is the prompt + the thought so far (its tool turns' images added to the
         request's images) and one sample. The prefix cache serves what an earlier round computed."""
         while True:
-            waiting = [t for t in thoughts if t.waiting]
-            if not waiting:
-                return
-            for t, row in ((t, thoughts.index(t)) for t in waiting):
-                t.serve(tools.respond(row, t.ids[t.since :]), settings.max_thought_tokens, close_ids)
-            going_on = [t for t in waiting if t.waiting]
+            waiting = [(row, t) for row, t in enumerate(thoughts) if t.waiting]
+            going_on = [t for row, t in waiting if t.serve(tools.respond(row, t.ids[t.since :]), settings.max_thought_tokens, close_ids)]
             if not going_on:
                 return
             requests, params = [], []
@@ -471,7 +467,8 @@ class _Thought:
         self.prompt, self.ids, self.logprobs = prompt, ids, logprobs
         self.forced = [False] * len(ids)
         self.turns: list = []
-        self.truncated = self.over_turn = self.waiting = False
+        self.truncated = self.over_turn = False
+        self.waiting = False  # its piece ended with a call that waits to be served
         self.since = 0  # where the model's current piece starts (after its last turn)
 
     def extend(self, ids: list[int], logprobs: list[float]) -> None:
@@ -485,6 +482,7 @@ class _Thought:
     def finish(self, completion, tools, settings: SamplingSettings, close_ids: list[int]) -> None:
         """After a piece: closed at the token limit (truncated), waiting for its call's result, or done."""
         called = tools is not None and completion.finish_reason == "stop" and completion.stop_reason == tools.stop_text
+        self.waiting = False
         if called and len(self.turns) >= settings.max_turns:
             self.over_turn = True  # one call past the bound: closed now, left out of the loss
             self.close(close_ids)
@@ -494,18 +492,19 @@ class _Thought:
             self.truncated = True
             self.close(close_ids)
 
-    def serve(self, turn, max_thought_tokens: int, close_ids: list[int]) -> None:
-        """Place the call's result after it, or close the thought truncated when it does not fit the budget."""
+    def serve(self, turn, max_thought_tokens: int, close_ids: list[int]) -> bool:
+        """Place the call's result after it and return True (the thought goes on), or close the thought truncated
+        when the result does not fit the budget and return False."""
         self.waiting = False
         if len(self.ids) + len(turn.ids) + len(close_ids) >= max_thought_tokens:
             self.truncated = True
             self.close(close_ids)
-            return
+            return False
         self.turns.append(dataclasses.replace(turn, start=len(self.ids)))
         self.ids = self.ids + turn.ids
         self.logprobs, self.forced = self.logprobs + [0.0] * len(turn.ids), self.forced + [True] * len(turn.ids)
         self.since = len(self.ids)
-        self.waiting = True
+        return True
 
     def images(self) -> list:
         return [image for turn in self.turns for image in turn.images]
