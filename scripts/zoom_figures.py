@@ -33,7 +33,7 @@ def figures(run: Path) -> dict:
         "looked": f"{first['eval/zoom/looked']:.2f} -> {last['eval/zoom/looked']:.2f}",
         "sampled: useful looks": f"{mean('reward/crop_hit', steps[:5]):.2f} -> {mean('reward/crop_hit', steps[-5:]):.2f}",
         "sampled: looked": f"{mean('tools/looked_share', steps[:5]):.2f} -> {mean('tools/looked_share', steps[-5:]):.2f}",
-        "log-prob gap max": f"{max(r['rollout/logprob_gap_max'] for r in steps):.1e}",
+        "log-prob gap max": f"{max(r['rollout/logprob_gap_max'] for r in steps):.2e}",
     }
 
 
