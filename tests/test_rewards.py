@@ -28,7 +28,8 @@ def make_rollout(task: str, answers: list[list[str]], num_answers: int, meta: di
     samples = [Sample(task, str(b), "q", (), "6", dict(meta or {})) for b in range(len(answers))]
     completions = [Completion(thought="<think>t</think>", answer=text) for row in answers for text in row]
     rows = len(answers) * num_thoughts
-    tree = SimpleNamespace(thought_ended_turn=[False] * rows, thought_truncated=[False] * rows, thought_ids=[[]] * rows)
+    tree = SimpleNamespace(thought_ended_turn=[False] * rows, thought_truncated=[False] * rows, thought_ids=[[]] * rows,
+                           thought_over_turns=[False] * rows, thought_turns=[[]] * rows)
     return Rollout(samples, [None] * len(samples), num_thoughts, num_answers, tree, completions)
 
 

@@ -154,3 +154,32 @@ def test_a_result_over_the_thought_budget_truncates(monkeypatch, tiny_policy, zo
     _, rollout = _rollout(monkeypatch, tiny_policy, zoom_samples[:1], {0: [ZOOM, "q</think>"]}, max_thought_tokens=call_tokens + 12)
     assert rollout.tree.thought_truncated[0] and not rollout.tree.thought_turns[0]
     assert all(len(ids) <= call_tokens + 12 for ids in rollout.tree.thought_ids)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "qwen3_5"])
+def test_tool_turns_on_every_family(monkeypatch, zoom_samples, tmp_path, family):
+    """The same check on the other families' tiny models: Qwen2-VL's frame (0-1000), Qwen3-VL's deepstack
+    features for the crop, Qwen3.5's linear-attention state carried through a turn fed as a ragged block. The
+    sampler's log-probs on the model's own tokens equal the shared-prefix forward's and a re-encode's. Planted:
+    the block's positions as plain text: all three failed."""
+    from tiny_families import save_tiny
+
+    from vlm_grpo_ma.model.loading import load_policy
+
+    policy = load_policy(str(save_tiny(family, tmp_path / family)), attn_implementation="sdpa")
+    policy.model.eval()
+    zoom_10 = ZOOM.replace("[20, 10, 60, 50]", "[100, 100, 600, 700]") if family != "qwen2_5_vl" else ZOOM
+    scripts = {0: [zoom_10, "seen</think>"], 1: [UNKNOWN, "x</think>"]}
+    call_tokens = len(policy.tokenizer.encode(zoom_10 + UNKNOWN, add_special_tokens=False))
+    prompts, rollout = _rollout(monkeypatch, policy, zoom_samples[:1], scripts, max_thought_tokens=call_tokens + 90)
+    tree = rollout.tree
+    assert tree.thought_turns[0][0].num_images == 1 and tree.thought_turns[1][0].error
+    rows = _rows(rollout)
+    with torch.no_grad():
+        shared = shared_prefix_logprobs(policy, prompts, rows["row_prompt"], rows["completions"], rows["thought_lengths"],
+                                        temperature=1.0, thought_turns=rows["turns"])  # fmt: skip
+        full = sequence_logprobs(policy, prompts, rows["row_prompt"], rows["completions"], temperature=1.0, thought_turns=rows["turns"])
+    for a, completion in enumerate(rows["completions"]):
+        n, own = len(completion), rows["sampled"][a]
+        assert float((shared[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
+        assert float((full[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
