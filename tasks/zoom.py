@@ -422,6 +422,6 @@ TASK = register_task(
         draw=draw,
         tools=(ZOOM_TOOL,),
         target=target,
-        default_model=str(Path(__file__).resolve().parents[1] / "vlm_grpo_ma" / "assets" / "tiny-qwen2.5-vl-zoom"),
+        default_config=str(Path(__file__).resolve().parents[1] / "configs" / "tiny-zoom.yaml"),
     )
 )

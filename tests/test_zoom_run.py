@@ -19,15 +19,19 @@ SMALL = ["train.prompts_per_step=2", "rollout.num_thoughts=4", "rollout.num_answ
          "rollout.max_answer_tokens=12", "train.eval_every=0", "train.micro_batch_rows=16"]  # fmt: skip
 
 
-def test_train_task_zoom_starts_from_its_warm_start_and_its_rollouts_show_tool_turns(tmp_path, capsys):
-    """One step of `--task zoom`: the run's model is the zoom warm start (said in one line), its rollouts record
-    tool turns with crop boxes, the step logs the tools/ figures, and the HF engine's log-probs are the trainer's
-    (rollout/logprob_gap_max under 1e-4 in float32) with crops in the thoughts. Planted: Task.default_model
-    ignored (the grounding model then wrote no call: looked_share 0)."""
+def test_train_task_zoom_runs_its_preset_and_its_rollouts_show_tool_turns(tmp_path, capsys):
+    """`--task zoom` with no --config runs the task's preset (configs/tiny-zoom.yaml: the zoom warm start, room in
+    the thought for a call and its turn), the command line's keys on top, said in one line. One step: its
+    rollouts record tool turns with crop boxes, the step logs the tools/ figures, and the HF engine's log-probs
+    are the trainer's (rollout/logprob_gap_max under 1e-4 in float32) with crops in the thoughts. Planted: the
+    preset not applied (the default model and 40-token thoughts then wrote no call: looked_share 0)."""
     out = tmp_path / "run"
-    assert cli.main(["--task", "zoom", "train.steps=1", f"train.output_dir={out}", *SMALL]) == 0
-    assert "starts from its own warm start" in capsys.readouterr().err
-    assert Path(yaml.safe_load((out / "config.yaml").read_text())["model"]["name_or_path"]) == ZOOM_MODEL
+    small = ["train.prompts_per_step=2", "rollout.num_answers=2", "train.eval_every=0", "train.micro_batch_rows=16"]
+    assert cli.main(["--task", "zoom", "train.steps=1", f"train.output_dir={out}", *small]) == 0
+    assert "runs with its preset" in capsys.readouterr().err
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert Path(saved["model"]["name_or_path"]).name == ZOOM_MODEL.name and saved["rollout"]["max_thought_tokens"] == 160
+    assert saved["train"]["prompts_per_step"] == 2  # the command line over the preset
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert metrics["tools/looked_share"] > 0 and metrics["tools/calls_per_thought"] >= metrics["tools/looked_share"]
     assert metrics["tools/result_tokens_per_thought"] > 0
@@ -38,18 +42,18 @@ def test_train_task_zoom_starts_from_its_warm_start_and_its_rollouts_show_tool_t
     assert any("image_zoom_in_tool" in thought["thought"] for thought in tree["thoughts"])
 
 
-def test_a_named_model_or_a_mixture_keeps_its_model(tmp_path):
-    """The task's warm start replaces only the embedded default of a one-task run: a model named on the command
-    line, or a mixture, keeps what it names. Planted: the override check dropped: the named model was replaced."""
-    from vlm_grpo_ma.run.cli import with_task_default_model
+def test_a_mixture_or_a_task_without_a_preset_keeps_the_command_line_config():
+    """Only a one-task run gets its task's preset. Planted: the preset applied to any run with zoom among its
+    tasks: the mixture got it."""
+    from vlm_grpo_ma.run.cli import with_task_preset
     from vlm_grpo_ma.run.config_files import load_config
 
-    named = load_config(None, ["data.task=zoom", "model.name_or_path=tiny"])
-    assert with_task_default_model(named, None, ["data.task=zoom", "model.name_or_path=tiny"], 0).model.name_or_path == "tiny"
     mixture = load_config(None, ["data.tasks={zoom: 1, grounding: 1}"])
-    assert with_task_default_model(mixture, None, [], 0).model.name_or_path == "tiny"
-    alone = load_config(None, ["data.task=zoom"])
-    assert Path(with_task_default_model(alone, None, ["data.task=zoom"], 1).model.name_or_path) == ZOOM_MODEL
+    assert with_task_preset(mixture, [], 0) is mixture
+    grounding = load_config(None, ["data.task=grounding"])
+    assert with_task_preset(grounding, [], 0) is grounding
+    alone = with_task_preset(load_config(None, ["data.task=zoom"]), ["data.task=zoom", "model.name_or_path=tiny"], 1)
+    assert alone.model.name_or_path == "tiny" and alone.rollout.max_thought_tokens == 160
 
 
 @pytest.mark.vllm

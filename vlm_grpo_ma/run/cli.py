@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         import_task_modules(cfg.data.task_modules)
         for name in cfg.task_weights:
             get_task(name)
-        if not args.resume:
-            cfg = with_task_default_model(cfg, args.config, overrides, rank)
+        if not args.resume and args.config is None:
+            cfg = with_task_preset(cfg, overrides, rank)
         if not args.resume:  # a resume loads its checkpoint's model
             checked_model_path(cfg.model.name_or_path, "model.name_or_path")  # a mistyped path: now, in one line
     # ValueError: a ConfigError, or a model folder whose config is broken; KeyError: an unknown task name. Every
@@ -98,19 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def with_task_default_model(cfg, config_file: str | None, overrides: list[str], rank: int):
-    """``cfg`` starting from its one task's ``Task.default_model`` when the run names no model (no config file, no
-    ``model.name_or_path=`` override: the embedded "tiny"), said in one line; else ``cfg`` as it is."""
-    import dataclasses
-
+def with_task_preset(cfg, overrides: list[str], rank: int):
+    """The config of a one-task run without ``--config`` whose task has a preset (``Task.default_config``): that
+    preset with the command line's keys on top, said in one line; else ``cfg`` as it is."""
     names = list(cfg.task_weights)
-    named = config_file is not None or any(o.split("=", 1)[0] == "model.name_or_path" for o in overrides)
-    if len(names) != 1 or named or cfg.model.name_or_path != "tiny" or get_task(names[0]).default_model is None:
+    preset = get_task(names[0]).default_config if len(names) == 1 else None
+    if preset is None:
         return cfg
-    model = get_task(names[0]).default_model
     if rank == 0:
-        print(f"task {names[0]} starts from its own warm start, {model} (model.name_or_path=... names another)", file=sys.stderr)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name_or_path=model))
+        print(f"task {names[0]} runs with its preset {preset} (--config names another)", file=sys.stderr)
+    return load_config(preset, overrides)
 
 
 def say_error(error: Exception, rank: int) -> None:

@@ -128,9 +128,9 @@ class Task:
     target: TargetFn | None = None
     judge_query: JudgeQueryFn | None = None
     tools: tuple = ()  # task_api.tools.Tool: what the thought may call (docs/TASKS.md, "Tools")
-    # The model folder a run of this task alone starts from when it names none (model.name_or_path left at "tiny"):
-    # a committed warm start that knows the task's format, e.g. its tool calls
-    default_model: str | None = None
+    # The preset (a config file) a run of this task alone uses when it gives no --config: its model (a warm start
+    # that knows the task's format, e.g. its tool calls), budgets and turns; the command line's keys go on top
+    default_config: str | None = None
 
 
 def weighted_reward(parts: dict[str, float], weights: dict[str, float]) -> float:
