@@ -23,16 +23,21 @@ UNKNOWN = '<think>b<tool_call>{"name": "nope"}</tool_call>'
 K, M = 3, 2
 
 
-@pytest.fixture
-def zoom_samples(fresh_registry, tmp_path):
+def _register_and_make_samples(folder):
+    """Tasks "zt" (the zoom tool) and "plain" (no tools) in the registry, and three samples of a 300 x 200 scene."""
     register_task(Task(name="zt", load=lambda *a: [], reward=lambda c, s: {"reward": 0.0}, instruction="", tools=(ZOOM_TOOL,)))
     register_task(Task(name="plain", load=lambda *a: [], reward=lambda c, s: {"reward": 0.0}, instruction=""))
     image = Image.new("RGB", (300, 200), (200, 30, 30))
     image.paste((10, 200, 10), (100, 50, 140, 90))
-    image.save(tmp_path / "scene.png")
-    return [Sample("zt", "z0", "what colour?", (str(tmp_path / "scene.png"),), "green"),
-            Sample("zt", "z1", "what colour?", (str(tmp_path / "scene.png"),), "green"),
-            Sample("plain", "p", "what colour?", (str(tmp_path / "scene.png"),), "green")]  # fmt: skip
+    image.save(folder / "scene.png")
+    return [Sample("zt", "z0", "what colour?", (str(folder / "scene.png"),), "green"),
+            Sample("zt", "z1", "what colour?", (str(folder / "scene.png"),), "green"),
+            Sample("plain", "p", "what colour?", (str(folder / "scene.png"),), "green")]  # fmt: skip
+
+
+@pytest.fixture
+def zoom_samples(fresh_registry, tmp_path):
+    return _register_and_make_samples(tmp_path)
 
 
 # One tree for most tests: thought 0 looks once, 1 fails then looks, 2 calls a thousand times (over-turn at its
@@ -41,9 +46,17 @@ SCRIPTS = {0: [ZOOM, "seen</think>"], 1: [UNKNOWN, ZOOM, "x</think>"], 2: [ZOOM]
            4: [ZOOM], 6: [ZOOM, "more</think>"]}  # fmt: skip
 
 
-@pytest.fixture
-def tree_with_turns(monkeypatch, tiny_policy, zoom_samples):
-    return _rollout(monkeypatch, tiny_policy, zoom_samples, SCRIPTS, max_thought_tokens=330)
+@pytest.fixture(scope="module")
+def tree_with_turns(tiny_policy, tmp_path_factory):
+    """Sampled once for the module, its two tasks registered only while it samples."""
+    from vlm_grpo_ma.task_api import registry
+
+    registry.load_builtin_tasks()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(registry, "_TASKS", dict(registry._TASKS))
+        patch.setattr(registry, "_SOURCES", dict(registry._SOURCES))
+        samples = _register_and_make_samples(tmp_path_factory.mktemp("scene"))
+        return _rollout(patch, tiny_policy, samples, SCRIPTS, max_thought_tokens=330)
 
 
 def _rollout(monkeypatch, policy, samples, scripts, *, max_turns=2, max_thought_tokens=250):
