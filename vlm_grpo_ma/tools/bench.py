@@ -140,7 +140,7 @@ def reencode_answers(
     grids = VisionGrids.of([prompts[b] for b in row_prompt]).to(device)
     state = prefill(policy, ids, mask, grids, pixel_values=pixel_values, image_grid_thw=grids.image)
     first_logits = state.logits.clone()
-    answer_ids, answer_logprobs, _, _ = decode_answers(policy, state, settings)
+    answer_ids, answer_logprobs, _ = decode_answers(policy, state, settings)
     return answer_ids, answer_logprobs, first_logits
 
 
