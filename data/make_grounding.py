@@ -280,12 +280,13 @@ def generate(out_dir: Path, n: int, seed: int, split: str = "train") -> list[dic
     return rows
 
 
-def write_split(out_dir: Path, split: str, n: int, seed: int) -> list[dict]:
-    """Regenerate one split: remove its old PNGs, write new ones and ``out_dir/{split}.jsonl``."""
+def write_split(out_dir: Path, split: str, n: int, seed: int, generate_rows=None) -> list[dict]:
+    """Regenerate one split: remove its old PNGs, write new ones and ``out_dir/{split}.jsonl``. ``generate_rows``:
+    another generator's ``generate(out_dir, n, seed, split)`` (make_zoom's), else this one's."""
     out_dir = Path(out_dir)
     for old in (out_dir / "images").glob(f"{split}_*.png"):
         old.unlink()
-    rows = generate(out_dir, n, seed, split)
+    rows = (generate_rows or generate)(out_dir, n, seed, split)
     with open(out_dir / f"{split}.jsonl", "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, separators=(",", ":")) + "\n")

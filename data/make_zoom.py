@@ -248,15 +248,9 @@ def generate(out_dir: Path, n: int, seed: int, split: str = "train") -> list[dic
 
 
 def write_split(out_dir: Path, split: str, n: int, seed: int) -> list[dict]:
-    """Regenerate one split: remove its old PNGs, write new ones and ``out_dir/{split}.jsonl``."""
-    out_dir = Path(out_dir)
-    for old in (out_dir / "images").glob(f"{split}_*.png"):
-        old.unlink()
-    rows = generate(out_dir, n, seed, split)
-    with open(out_dir / f"{split}.jsonl", "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, separators=(",", ":")) + "\n")
-    return rows
+    """Regenerate one split: remove its old PNGs, write new ones and ``out_dir/{split}.jsonl`` (the grounding
+    generator's writer, with these scenes)."""
+    return _grounding.write_split(out_dir, split, n, seed, generate_rows=generate)
 
 
 def check_split(out_dir: Path, split: str) -> dict[str, float]:

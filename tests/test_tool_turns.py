@@ -83,6 +83,21 @@ def _rows(rollout):
     )
 
 
+def _assert_sampler_equals_trainer(policy, prompts, rollout):
+    """The sampler's log-probs on the model's own tokens equal the shared-prefix forward's and a full re-encode's
+    (float32, 1e-4); returns (shared, full)."""
+    rows = _rows(rollout)
+    with torch.no_grad():
+        shared = shared_prefix_logprobs(policy, prompts, rows["row_prompt"], rows["completions"], rows["thought_lengths"],
+                                        temperature=1.0, thought_turns=rows["turns"])  # fmt: skip
+        full = sequence_logprobs(policy, prompts, rows["row_prompt"], rows["completions"], temperature=1.0, thought_turns=rows["turns"])
+    for a, completion in enumerate(rows["completions"]):
+        n, own = len(completion), rows["sampled"][a]
+        assert float((shared[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
+        assert float((full[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
+    return shared, full
+
+
 def test_the_trainer_scores_what_the_sampler_sampled_around_tool_turns(tiny_policy, tree_with_turns):
     """Rows that look (a crop), fail (an error turn), look twice, or never call: the sampler's log-probs on the
     model's own tokens equal the shared-prefix forward's and a full re-encode's in float32, and the two
@@ -95,15 +110,7 @@ def test_the_trainer_scores_what_the_sampler_sampled_around_tool_turns(tiny_poli
     assert tree.thought_turns[0][0].num_images == 1 and rollout.completions[0].tool_images == 1
     assert rollout.completions[1 * M].invalid_tool_calls == 1 and rollout.completions[1 * M].tool_calls == 2
     assert "nope" in rollout.completions[1 * M].thought  # the error turn's text, as the model read it
-    rows = _rows(rollout)
-    with torch.no_grad():
-        shared = shared_prefix_logprobs(tiny_policy, prompts, rows["row_prompt"], rows["completions"], rows["thought_lengths"],
-                                        temperature=1.0, thought_turns=rows["turns"])  # fmt: skip
-        full = sequence_logprobs(tiny_policy, prompts, rows["row_prompt"], rows["completions"], temperature=1.0, thought_turns=rows["turns"])
-    for a, completion in enumerate(rows["completions"]):
-        n, own = len(completion), rows["sampled"][a]
-        assert float((shared[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
-        assert float((full[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
+    shared, full = _assert_sampler_equals_trainer(tiny_policy, prompts, rollout)
     assert torch.isfinite(shared).all() and float((shared - full).abs().max()) < 1e-4
 
 
@@ -187,12 +194,4 @@ def test_tool_turns_on_every_family(monkeypatch, zoom_samples, tmp_path, family)
     prompts, rollout = _rollout(monkeypatch, policy, zoom_samples[:1], scripts, max_thought_tokens=call_tokens + 90)
     tree = rollout.tree
     assert tree.thought_turns[0][0].num_images == 1 and tree.thought_turns[1][0].error
-    rows = _rows(rollout)
-    with torch.no_grad():
-        shared = shared_prefix_logprobs(policy, prompts, rows["row_prompt"], rows["completions"], rows["thought_lengths"],
-                                        temperature=1.0, thought_turns=rows["turns"])  # fmt: skip
-        full = sequence_logprobs(policy, prompts, rows["row_prompt"], rows["completions"], temperature=1.0, thought_turns=rows["turns"])
-    for a, completion in enumerate(rows["completions"]):
-        n, own = len(completion), rows["sampled"][a]
-        assert float((shared[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
-        assert float((full[a, :n] - rows["engine"][a]).abs()[own].max()) < 1e-4
+    _assert_sampler_equals_trainer(policy, prompts, rollout)

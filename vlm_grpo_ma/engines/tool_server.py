@@ -13,6 +13,11 @@ from vlm_grpo_ma.task_api.registry import Sample, task_tools
 from vlm_grpo_ma.task_api.tools import TOOL_CALL_CLOSE, ToolContext, ToolResult, call_text, run_tool_call
 
 
+def tool_context(policy: Policy, sample: Sample, prompt: EncodedPrompt) -> ToolContext:
+    """What a tool (and a target that writes calls) may read of a prompt as the model sees it."""
+    return ToolContext(tuple(sample.images), prompt.input_sizes, prompt.original_sizes, policy.frame)
+
+
 class ToolServer:
     """The tools of a tree's prompts. Thought row ``row`` belongs to prompt ``row // num_thoughts``."""
 
@@ -22,10 +27,7 @@ class ToolServer:
         self.policy = policy
         self.num_thoughts = num_thoughts
         self.tools = [task_tools(sample.task) for sample in samples]
-        self.contexts = [
-            ToolContext(tuple(sample.images), prompt.input_sizes, prompt.original_sizes, policy.frame)
-            for sample, prompt in zip(samples, prompts, strict=True)
-        ]
+        self.contexts = [tool_context(policy, sample, prompt) for sample, prompt in zip(samples, prompts, strict=True)]
 
     @classmethod
     def for_rollout(cls, policy: Policy, samples, prompts, num_thoughts: int, max_turns: int) -> ToolServer | None:

@@ -303,8 +303,7 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     # Last, so that nothing between here and train()'s try can fail with an engine to end (close). After a
     # resume's weights are loaded: the engine gets those. Room for the most images any training prompt holds, and
     # a crop per tool turn where a task has tools.
-    turn_images = cfg.rollout.max_turns if any(task.tools for task in tasks.values()) else 0
-    engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples) + turn_images,
+    engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples) + tool_images,
                          max_videos=max_videos,
                          num_processes=num_processes, process_index=accelerator.process_index)  # fmt: skip
     return RunState(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from vlm_grpo_ma.engines.tool_server import ToolServer
+from vlm_grpo_ma.engines.tool_server import ToolServer, tool_context
 from vlm_grpo_ma.model.loading import Policy, checked_model_path, load_policy
 from vlm_grpo_ma.model.logprobs import sequence_logprobs
 from vlm_grpo_ma.model.lora import apply_lora, freeze_vision, trainable_parameters, vision_tower
@@ -24,7 +24,6 @@ from vlm_grpo_ma.model.tiny import TINY_MODEL_NAME
 from vlm_grpo_ma.run.evaluation import EvalSettings
 from vlm_grpo_ma.task_api.images import ImageLoadError
 from vlm_grpo_ma.task_api.registry import Sample, get_task, load_samples
-from vlm_grpo_ma.task_api.tools import ToolContext
 
 
 def completion_loss(policy: Policy, prompts: list[EncodedPrompt], texts: list[str], samples: list[Sample] | None = None) -> torch.Tensor:
@@ -120,8 +119,7 @@ def takes_context(target) -> bool:
 
 def context_target(task, sample: Sample, prompt: EncodedPrompt, policy: Policy) -> str:
     """``task.target(sample, context)`` for the prompt as the model sees it; ValueError when it gives no text."""
-    context = ToolContext(tuple(sample.images), prompt.input_sizes, prompt.original_sizes, policy.frame)
-    text = task.target(sample, context)
+    text = task.target(sample, tool_context(policy, sample, prompt))
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"sample {sample.id!r}: target gave {text!r}, not a non-empty str")
     return text
