@@ -22,6 +22,9 @@ class Rollout:
     num_answers: int  # M
     tree: TreeSample
     completions: list[Completion]  # [B * K * M], answer-row order
+    # [B] per prompt: the updates its tree's weights were behind the trainer's when it trained (a split launch's
+    # engines sample ahead: run/split_launch.py); None: sampled with the trained weights themselves
+    staleness: list[int] | None = None
 
     @property
     def num_prompts(self) -> int:

@@ -33,6 +33,7 @@ class TrainBatch:
     is_thought: torch.Tensor  # [N, T] bool
     flat: bool = False  # each row one sequence of the objective, its thought trained on it (see the module docstring)
     thought_turns: list | None = None  # [N] each row's thought's tool turns (model.prompts.ToolTurn), None: none
+    row_staleness: list[int] | None = None  # [N] its tree's staleness (Rollout.staleness), None: fresh
 
     @property
     def num_rows(self) -> int:
@@ -57,6 +58,7 @@ class TrainBatch:
             self.is_thought[start:stop, :width],
             self.flat,
             None if self.thought_turns is None else self.thought_turns[start:stop],
+            None if self.row_staleness is None else self.row_staleness[start:stop],
         )
 
 
@@ -94,4 +96,5 @@ def build_train_batch(
     turns = None
     if any(tree.thought_turns):
         turns = [tree.thought_turns[a // rollout.num_answers] for a in range(rows)]
-    return TrainBatch(row_prompt, completion_ids, advantages, token_mask, sampling_logprobs, is_thought, flat, turns)
+    staleness = None if rollout.staleness is None else [rollout.staleness[b] for b in row_prompt]
+    return TrainBatch(row_prompt, completion_ids, advantages, token_mask, sampling_logprobs, is_thought, flat, turns, staleness)

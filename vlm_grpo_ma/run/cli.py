@@ -12,8 +12,11 @@ from pathlib import Path
 from vlm_grpo_ma.model.loading import checked_model_path
 from vlm_grpo_ma.run import checkpoint as ckpt
 from vlm_grpo_ma.run import survive
+from vlm_grpo_ma.run.bridge import PeerLost
 from vlm_grpo_ma.run.config import ConfigError
 from vlm_grpo_ma.run.config_files import describe_config, load_config
+from vlm_grpo_ma.run.engine_process import run_engine_process
+from vlm_grpo_ma.run.split_launch import split_launch, stopped_engines
 from vlm_grpo_ma.run.distributed import launch_rank, process_group_left_at_the_end, quiet_other_processes
 from vlm_grpo_ma.run.loop import train
 from vlm_grpo_ma.run.run_dir import resumed_settings
@@ -80,19 +83,31 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
+    split = None
     try:
         if args.resume and args.overwrite:
             raise ConfigError("--resume continues the run in the run directory and --overwrite deletes it; give one")
+        if cfg.rollout.engine_processes:  # the last processes of the launch only sample (split_launch.py)
+            split = split_launch(cfg)
+            if split[0].is_engine:
+                return run_engine_process(cfg, *split)
         with process_group_left_at_the_end():
-            train(cfg, resume=args.resume, overwrite=args.overwrite)
+            train(cfg, resume=args.resume, overwrite=args.overwrite, split=split)
     except ConfigError as error:  # found when loading the data or the model
         say_error(error, rank)
         return 2
     except (survive.NonFiniteError, survive.StoppedByAnotherProcess) as error:  # the message names the quantity / process
         say_error(error, rank)
         return 1
+    except PeerLost as error:  # an engine process of a split launch stopped: the trainers saved what they had
+        say_error(error, rank)
+        if rank == 0:
+            print(how_to_continue(Path(cfg.train.output_dir)), file=sys.stderr)
+        return 1
     except KeyboardInterrupt as interrupt:  # train() saved a checkpoint of the steps done
         if rank == 0:
+            if (line := stopped_engines(split)) is not None:  # the launcher stops the trainers when an engine dies
+                print(line, file=sys.stderr)
             print(how_to_continue(Path(cfg.train.output_dir)), file=sys.stderr)
         return interrupt.exit_code if isinstance(interrupt, survive.Terminated) else 130
     return 0

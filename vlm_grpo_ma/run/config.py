@@ -95,6 +95,10 @@ class RolloutConfig:
     vllm_kv_cache_gib: float = 1.0  # CPU build only: its KV cache size, whole GiB (VLLM_CPU_KVCACHE_SPACE)
     vllm_tensor_parallel_size: int = 1  # processes per engine: groups of this many consecutive processes share one
     vllm_sleep: bool = False  # GPU only: free the engine's memory, weights too, during the update (sleep level 2)
+    # Split launch (docs/SCALING.md, "Engines on their own processes"): the last engine_processes processes only
+    # sample, the others only train; the engines may sample with weights up to max_staleness updates old (0: wait).
+    engine_processes: int = 0
+    max_staleness: int = 0
 
 
 @dataclass
@@ -303,13 +307,9 @@ POSITIVE = (
 )
 NON_NEGATIVE = (
     "algorithm.eps", "algorithm.clip_low", "algorithm.clip_high",
-    "algorithm.kl_coef",
-    "algorithm.dynamic_sampling_max_draws",
-    "algorithm.overlong_buffer_thought_tokens",
-    "algorithm.overlong_buffer_answer_tokens",
-    "algorithm.overlong_penalty",
-    "model.lora_rank",
-    "model.lora_dropout",
+    "algorithm.kl_coef", "algorithm.dynamic_sampling_max_draws", "algorithm.overlong_buffer_thought_tokens",
+    "algorithm.overlong_buffer_answer_tokens", "algorithm.overlong_penalty", "model.lora_rank", "model.lora_dropout",
+    "rollout.engine_processes", "rollout.max_staleness",
     "train.weight_decay",
     "train.warmup_steps",
     "train.num_threads",

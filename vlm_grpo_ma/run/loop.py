@@ -53,9 +53,10 @@ def no_signal_help(cfg: Config) -> str:
     return f"the model may not solve this task yet: see docs/TASKS.md, 'Will my task learn?', or warm-start it on its data: {commands}{first}"
 
 
-def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict:
-    """Run ``cfg``'s training; returns the summary (also written to summary.json)."""
-    run = setup_run(cfg, resume=resume, overwrite=overwrite)
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False, split=None) -> dict:
+    """Run ``cfg``'s training; returns the summary (also written to summary.json). ``split``: a trainer's
+    (placement, bridge) in a split launch (``split_launch.py``)."""
+    run = setup_run(cfg, resume=resume, overwrite=overwrite, split=split)
     accelerator = run.accelerator
     step, guard, completed = run.start_step, UpdateGuard(), run.completed_state()
     steps_in_a_row_without_signal = 0
@@ -402,11 +403,12 @@ def step_metrics(
     metrics.update(update)
     if run.judge is not None:
         metrics.update(judge_metrics(step_counts, scored.judge_seconds))
-    metrics.update(run.engine.step_metrics())  # vllm: rollout/prefix_cache_hit_rate
     if run.engine.metrics_prefix:  # vLLM in a launch: each process's gap under its name too
         metrics[run.engine.metrics_prefix + "logprob_gap_max"] = metrics["rollout/logprob_gap_max"]
     metrics.update(sharding.state_bytes(run.policy.model, run.optimizer, run.accelerator.process_index, getattr(run.reference, "module", None)))
     metrics.update(timing_metrics(batch, *seconds, generated_tokens))
+    # vllm: rollout/prefix_cache_hit_rate; engine processes: staleness, idle seconds, their own sampling speed
+    metrics.update(run.engine.step_metrics())
     metrics.update(
         {
             "train/learning_rate": learning_rate,

@@ -34,6 +34,7 @@ from vlm_grpo_ma.run.memory_model import tree_too_large
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
 from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
+from vlm_grpo_ma.run.split_launch import RemoteEngine, in_flight_at_resume
 from vlm_grpo_ma.run.run_dir import (
     CONFIG_FILE,
     LOCK_FILE,
@@ -92,7 +93,7 @@ class RunState:
         return {"data": self.stream.state_dict(), "counters": dict(self.counters), "spikes": self.spikes.state_dict()}
 
 
-def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
+def setup_run(cfg: Config, *, resume: bool, overwrite: bool, split=None) -> RunState:
     from accelerate.utils import set_seed
 
     check_trackers(cfg)
@@ -130,7 +131,7 @@ def setup_run(cfg: Config, *, resume: bool, overwrite: bool) -> RunState:
             raise folder_refused(run_dir, "create or read it", error) from None
         run_lock = hold_run_dir(run_dir) if accelerator.is_main_process else None  # the main process holds the folder
     try:
-        return _build_run(cfg, accelerator, run_dir, run_lock, resume=resume, overwrite=overwrite)
+        return _build_run(cfg, accelerator, run_dir, run_lock, resume=resume, overwrite=overwrite, split=split)
     except BaseException:
         if run_lock is not None:  # released now, not when the traceback that holds it goes
             run_lock.close()
@@ -190,7 +191,7 @@ def check_tree_fits(cfg: Config, accelerator, videos_per_prompt: int = 0, tool_i
         raise ConfigError(problem)
 
 
-def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: bool, overwrite: bool) -> RunState:
+def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: bool, overwrite: bool, split=None) -> RunState:
     """The rest of ``setup_run``, in the folder this process holds."""
     num_processes, is_main = accelerator.num_processes, accelerator.is_main_process
     if num_processes > 1:  # one folder, shared by every process: the main process decides what is in it
@@ -303,9 +304,12 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     # Last, so that nothing between here and train()'s try can fail with an engine to end (close). After a
     # resume's weights are loaded: the engine gets those. Room for the most images any training prompt holds, and
     # a crop per tool turn where a task has tools.
-    engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples) + tool_images,
-                         max_videos=max_videos,
-                         num_processes=num_processes, process_index=accelerator.process_index)  # fmt: skip
+    if split is not None:  # the engine processes sample; a resume discards the trees they had sampled ahead
+        engine = RemoteEngine(cfg, *split, start_step=start_step, stream_state=stream.state_dict(), policy=policy)
+        counters["in_flight_trees_discarded"] += in_flight_at_resume(cfg, start_step) if history_state else 0
+    else:
+        engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples) + tool_images,
+                             max_videos=max_videos, num_processes=num_processes, process_index=accelerator.process_index)  # fmt: skip
     return RunState(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
         policy=policy, scorer=scorer, optimizer=optimizer, scheduler=scheduler, reference=reference, fsdp=fsdp,

@@ -96,7 +96,7 @@ def update_policy(
             weights = loss_weights[index].to(device)
             engine = micro.sampling_logprobs.to(device)  # what the sampling engine reported for these tokens
             importance = None
-            if cfg.algorithm.rollout_correction == "tis":
+            if corrected(cfg):
                 importance = truncated_importance_weights(old.to(device), engine, cap=cfg.algorithm.rollout_correction_cap)
             loss, micro_stats = policy_loss(
                 logprobs,
@@ -128,6 +128,13 @@ def update_policy(
                 stats["logprob_gap_sum"] += float(gap.sum())
                 stats["logprob_gap_count"] += int(gap.numel())
                 stats["logprob_gap_max"] = max(stats["logprob_gap_max"], float(gap.max()) if gap.numel() else 0.0)
+                if importance is not None:
+                    importance_stats(stats, importance, trained, thought)
+                if micro.row_staleness is not None:  # the gap of each staleness: the trained policy's drift from the sampler
+                    row_age = torch.tensor(micro.row_staleness, device=device)[:, None].expand_as(trained)[trained]
+                    for age in row_age.unique().tolist():
+                        stats[f"gap_sum_{age}"] += float(gap[row_age == age].sum())
+                        stats[f"gap_count_{age}"] += int((row_age == age).sum())
             stats["loss"] += float(loss.detach())
             for key, value in micro_stats.items():
                 stats[key] += float(value)
@@ -145,7 +152,7 @@ def update_policy(
         optimizer.step()
     iterations = cfg.algorithm.num_iterations
     weight_sum = max(stats["weight_sum"], 1e-30)  # summed over every iteration
-    return {
+    return staleness_figures(stats) | {
         # per process: the loss is scaled by num_processes and pg_loss_sum is not; the mean over processes
         # (mean_over_processes) of both is then the whole step's figure
         "train/loss": stats["loss"] / iterations,
@@ -168,3 +175,33 @@ def scorer_model(scorer: torch.nn.Module) -> torch.nn.Module:
     """The model inside a (possibly DDP-wrapped) CompletionScorer."""
     return getattr(scorer, "module", scorer).model
 
+
+
+def corrected(cfg: Config) -> bool:
+    """Whether the loss re-weights each token by its truncated importance ratio (``truncated_importance_weights``):
+    ``algorithm.rollout_correction=tis``, and always where engines may sample with older weights
+    (``rollout.max_staleness`` > 0), thought tokens and answer tokens alike."""
+    return cfg.algorithm.rollout_correction == "tis" or cfg.rollout.max_staleness > 0
+
+
+def importance_stats(stats: Counter, importance: torch.Tensor, trained: torch.Tensor, thought: torch.Tensor) -> None:
+    """Adds the importance weights' sums over the trained thought and answer tokens (for ``staleness_figures``)."""
+    for level, tokens in (("thought", trained & thought), ("answer", trained & ~thought)):
+        weights = importance[tokens].double()
+        stats[f"is_{level}_sum"] += float(weights.sum())
+        stats[f"is_{level}_square_sum"] += float((weights**2).sum())
+        stats[f"is_{level}_count"] += int(weights.numel())
+
+
+def staleness_figures(stats: Counter) -> dict[str, float]:
+    """The importance weights' effective sample size on each level, (sum w)^2 / (n sum w^2) in (0, 1] (1: every
+    weight equal), and the mean log-prob gap of each staleness's trees (``rollout/logprob_gap_mean_staleness_S``)."""
+    figures = {}
+    for level in ("thought", "answer"):
+        if stats[f"is_{level}_count"]:
+            total, squares = stats[f"is_{level}_sum"], stats[f"is_{level}_square_sum"]
+            figures[f"rollout/importance_ess_{level}"] = total**2 / (stats[f"is_{level}_count"] * squares) if squares else 1.0
+    for key in [key for key in stats if key.startswith("gap_sum_")]:
+        age = key.removeprefix("gap_sum_")
+        figures[f"rollout/logprob_gap_mean_staleness_{age}"] = stats[key] / max(stats[f"gap_count_{age}"], 1)
+    return figures
