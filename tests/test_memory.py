@@ -3,6 +3,7 @@ hand against built models and the published figures; predicted bytes against a r
 gradients and AdamW state, and small cases computed by hand."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -636,3 +637,92 @@ def test_crops_add_a_trained_tower_s_activations_per_distinct_thought():
     assert crops.update_peak - plain.update_peak == expected
     frozen = _cfg("train.micro_batch_rows=64")
     assert memory_model.estimate(arch, frozen, 1, "ddp", tool_images_per_thought=2).update_peak == memory_model.estimate(arch, frozen, 1, "ddp").update_peak
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 49's split launch: trainer and engine processes counted apart (estimate's role)
+
+
+def test_a_split_launch_s_trainer_samples_nothing_and_its_engine_trains_nothing():
+    """A trainer (role "trainer") holds what a process of as many trainers holds for the update, and no KV cache,
+    FSDP gather or vLLM share; an engine (role "engine") holds the whole model once (no adapters: the trainers
+    send merged weights; not sharded) and the KV cache of its share of prompts, as a process sampling that many
+    prompts, or its vLLM share. Planted: the trainer kept the KV cache (first assert); the engine kept the
+    optimizer bytes (the engine's zeros); the engine kept the LoRA adapters' bytes (the LoRA engine's weights)."""
+    total = parameter_counts(SMALL).total
+    cfg = _small_cfg("algorithm.kl_coef=0.1", "train.prompts_per_step=4")
+    both, trainer = (memory_model.estimate(SMALL, cfg, 2, "fsdp", role=role) for role in ("both", "trainer"))
+    assert (trainer.kv_cache, trainer.fsdp_rollout_gather) == (0, 0) and both.kv_cache > 0 and both.fsdp_rollout_gather > 0
+    kept = ("weights", "gradients", "optimizer", "reference", "activations", "trained_elements")
+    assert [getattr(trainer, part) for part in kept] == [getattr(both, part) for part in kept]
+    assert trainer.peak == both.update_peak
+    for engines in (1, 2, 4):  # each engine samples 4 / engines prompts, as a process of a launch of that many
+        engine = memory_model.estimate(SMALL, cfg, engines, "fsdp", role="engine")
+        assert engine.kv_cache == memory_model.estimate(SMALL, cfg, engines, "ddp").kv_cache > 0
+        assert (engine.gradients, engine.optimizer, engine.reference, engine.activations, engine.fsdp_rollout_gather) == (0, 0, 0, 0, 0)
+        assert engine.weights == 4 * total and engine.peak == 4 * total + engine.kv_cache
+    lora = _small_cfg("model.lora_rank=1", "model.lora_target_modules=[q_proj]")
+    assert memory_model.estimate(SMALL, lora, 1, "ddp").weights > memory_model.estimate(SMALL, lora, 1, "ddp", role="engine").weights == 4 * total
+    vllm = _small_cfg("rollout.engine=vllm")  # a trainer needs no GPU size: it holds no engine
+    assert memory_model.estimate(SMALL, vllm, 2, "ddp", role="trainer").engine == 0
+    engine = memory_model.estimate(SMALL, vllm, 2, "ddp", device_bytes=100_000, role="engine")
+    assert (engine.engine, engine.kv_cache, engine.optimizer, engine.weights) == (35_000, 0, 0, 4 * total)
+    with pytest.raises(ValueError, match="role 'learner' is not one of both, trainer, engine"):
+        memory_model.estimate(SMALL, cfg, 1, "ddp", role="learner")
+
+
+@pytest.mark.parametrize("side", ["engine", "trainer", "trainer-vllm"])
+def test_the_start_refuses_the_split_launch_s_side_that_does_not_fit(side, monkeypatch):
+    """``setup.check_tree_fits`` in a split launch (2 trainers, 2 engines): a memory that holds one side's peak
+    and not the other's is refused, naming that side and the largest tree that fits it; the trainers are checked
+    under a vLLM engine too. micro_batch_rows=1 makes the engines' KV cache the larger peak, 64 the trainers'
+    activations. Planted: the engines not checked (the engine case raised nothing); the trainers checked with
+    role "both" (their KV cache counted: the trainer case named no role); the early return for vLLM kept (the
+    trainer-vllm case raised nothing)."""
+    from types import SimpleNamespace
+
+    from vlm_grpo_ma.run import setup
+    from vlm_grpo_ma.run.config import ConfigError
+
+    rows = 1 if side == "engine" else 64
+    role = side.split("-")[0]
+    cfg = _cfg("rollout.engine_processes=2", f"train.micro_batch_rows={rows}", *(["rollout.engine=vllm"] if side == "trainer-vllm" else []))
+    arch = architecture_of("tiny")
+    peaks = {r: memory_model.estimate(arch, cfg, 2, "ddp", role=r).peak for r in ("trainer", "engine") if side != "trainer-vllm" or r == "trainer"}
+    other = "trainer" if role == "engine" else "engine"
+    assert peaks[role] > peaks.get(other, 0)  # a vLLM engine is not checked: it sizes its own cache
+    memory = max(peaks.get(other, 0), peaks[role] - 1)
+    monkeypatch.setattr(setup, "device_memory_bytes", lambda device: memory)
+    accelerator = SimpleNamespace(num_processes=2, device=torch.device("cpu"))  # the trainers' count, as in a split launch
+    with pytest.raises(ConfigError) as refused:
+        setup.check_tree_fits(cfg, accelerator)
+    message = str(refused.value)
+    assert f"rollout.num_thoughts x rollout.num_answers = 4 x 4 does not fit on the 2 {role} process(es)" in message
+    assert f"GB per {role} process (" in message
+    assert re.search(r"With rollout.num_(thoughts=4|answers=1), at most rollout.num_(answers|thoughts)=\d+ fits", message), message
+    monkeypatch.setattr(setup, "device_memory_bytes", lambda device: peaks[role])
+    setup.check_tree_fits(cfg, accelerator)  # both sides fit
+
+
+def test_cli_prints_a_split_launch_s_trainer_and_engine_tables(capsys):
+    """--engine-processes N: the first --processes - N processes' table and the last N's, each titled; N that
+    leaves no trainer, or shares that are not whole, in one line. Planted: the engine table printed for the
+    trainers' count (its kv_cache line was the 2-trainer process's); --processes 3 (not dividing the prompts)
+    raised a traceback before ``report`` moved into the refusals' try."""
+    preset = str(ROOT / "configs/tiny-grounding-t4a4.yaml")
+    assert memory.main(["--config", preset, "--processes", "6", "--engine-processes", "4"]) == 0
+    out = capsys.readouterr().out
+    trainers, engines = out.split("engine processes: the last 4 of 6 (rollout.engine_processes)\n")
+    assert trainers.startswith("trainer processes: the first 2 of 6 (ddp among them)\n") and "2 trainer process(es), ddp" in trainers
+    cfg = _cfg("rollout.engine_processes=4")
+    kv = memory_model.estimate(architecture_of("tiny"), cfg, 4, "ddp").kv_cache
+    assert f"  kv_cache     {0:>16,}" in trainers and f"  kv_cache     {kv:>16,}" in engines
+    assert "4 engine process(es), each sampling 4 prompt(s) per step, training nothing" in engines
+    for args, line in [
+        (["--processes", "2", "--engine-processes", "2"], "error: --engine-processes=2 leaves no trainer among --processes=2"),
+        (["--processes", "4", "--engine-processes", "1"], "error: train.prompts_per_step=16 must be a multiple of the 3 trainer processes"),
+        (["--processes", "3"], "error: processes 3: must be >= 1 and divide train.prompts_per_step (16)"),
+    ]:  # fmt: skip
+        assert memory.main(["--config", preset, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(line) and len(err.strip().splitlines()) == 1, err

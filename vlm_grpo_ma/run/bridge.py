@@ -8,6 +8,7 @@ that process has gone.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 from collections.abc import Iterable, Iterator
@@ -31,8 +32,8 @@ class PeerLost(RuntimeError):
 class Bridge:
     """Point-to-point messages between the processes of a launch, by launch rank (``rank`` of ``size``)."""
 
-    def __init__(self, group, rank: int, size: int, describe=lambda rank: f"process {rank}"):
-        self.group, self.rank, self.size = group, rank, size
+    def __init__(self, group, rank: int, size: int, describe=lambda rank: f"process {rank}", store=None):
+        self.group, self.rank, self.size, self.store = group, rank, size, store
         self.describe = describe  # launch rank -> what it is ("engine process 1 (launch rank 3)"): the error's words
         self.pending: list = []  # (work, buffers) of sends not known complete: buffers live until the work is done
         self.watched: dict[int, object] = {}  # rank -> a posted receive of its goodbye (``watch``)
@@ -43,7 +44,16 @@ class Bridge:
         import torch.distributed as dist
 
         group = dist.ProcessGroupGloo(dist.PrefixStore("vlm_grpo_ma/bridge", store), rank, size, WAIT)
-        return cls(group, rank, size, describe)
+        return cls(group, rank, size, describe, dist.PrefixStore("vlm_grpo_ma/board", store))
+
+    def announce(self, version: int) -> None:
+        """Post on the launch's store that weights ``version`` are on their way (after their sends): an engine
+        reads it without waiting (``announced``); a gloo receive cannot be polled."""
+        self.store.set("weights_version", str(version))
+
+    def announced(self) -> int:
+        """The newest weights version announced, -1 before any."""
+        return int(self.store.get("weights_version")) if self.store.check(["weights_version"]) else -1
 
     def send_object(self, value, to: int, tag: int) -> None:
         payload = torch.frombuffer(bytearray(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
@@ -52,18 +62,9 @@ class Bridge:
 
     def recv_object(self, source: int, tag: int):
         length = torch.zeros(1, dtype=torch.int64)
-        self.wait(self.group.recv([length], source, tag), source)
-        return self.finish_object(source, tag, length)
-
-    def post_object(self, source: int, tag: int):
-        """A receive of an object's length, posted now and completed later (``ready``, then ``finish_object``): the
-        engine's look for newer weights that does not wait."""
-        length = torch.zeros(1, dtype=torch.int64)
-        return self.group.recv([length], source, tag), length
-
-    def finish_object(self, source: int, tag: int, length: torch.Tensor):
+        self._recv(length, source, tag)
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-        self.wait(self.group.recv([payload], source, tag), source)
+        self._recv(payload, source, tag)
         return pickle.loads(payload.numpy().tobytes())
 
     def send_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], to: list[int], header: dict) -> int:
@@ -96,15 +97,14 @@ class Bridge:
             self._send(tensor, rank, WEIGHTS_DATA)
 
     def recv_weights(self, source: int, header: dict, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """The tensors of the version ``header`` announced (received with ``recv_object``/``finish_object`` on
-        ``WEIGHTS_HEADER``), bucket by bucket, as (name, tensor) in the sender's order."""
+        """The tensors of the version ``header`` announced (received with ``recv_object`` on ``WEIGHTS_HEADER``), bucket by bucket, as (name, tensor) in the sender's order."""
         names, shapes = header["names"], [torch.Size(shape) for shape in header["shapes"]]
         at = 0
         while at < len(names):
             length = torch.zeros(1, dtype=torch.int64)
-            self.wait(self.group.recv([length], source, WEIGHTS_DATA), source)
+            self._recv(length, source, WEIGHTS_DATA)
             bucket = torch.empty(int(length.item()), dtype=dtype)
-            self.wait(self.group.recv([bucket], source, WEIGHTS_DATA), source)
+            self._recv(bucket, source, WEIGHTS_DATA)
             offset = 0
             while offset < bucket.numel():
                 size = shapes[at].numel()
@@ -142,10 +142,21 @@ class Bridge:
 
     def _send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
         self.pending = [item for item in self.pending if not item[0].is_completed()]
-        self.pending.append((self.group.send([tensor], to, tag), tensor, to))
+        with self._peer(to):
+            self.pending.append((self.group.send([tensor], to, tag), tensor, to))
+
+    def _recv(self, tensor: torch.Tensor, source: int, tag: int) -> None:
+        with self._peer(source):
+            self.group.recv([tensor], source, tag).wait()
 
     def wait(self, work, peer: int) -> None:
-        try:
+        with self._peer(peer):
             work.wait()
-        except RuntimeError as error:  # gloo: "Connection closed by peer", "Broken pipe", a timeout
-            raise PeerLost(f"{self.describe(peer)} has stopped ({str(error).splitlines()[0][:200]})") from None
+
+    @contextlib.contextmanager
+    def _peer(self, peer: int):
+        """gloo's errors with ``peer`` ("Connection closed by peer", "Broken pipe", a timeout) as ``PeerLost``."""
+        try:
+            yield
+        except RuntimeError as error:
+            raise PeerLost(f"{self.describe(peer)} stopped mid-run ({str(error).splitlines()[0][:200]})") from None

@@ -15,11 +15,11 @@ from vlm_grpo_ma.run import survive
 from vlm_grpo_ma.run.bridge import PeerLost
 from vlm_grpo_ma.run.config import ConfigError
 from vlm_grpo_ma.run.config_files import describe_config, load_config
-from vlm_grpo_ma.run.engine_process import run_engine_process
-from vlm_grpo_ma.run.split_launch import split_launch, stopped_engines
 from vlm_grpo_ma.run.distributed import launch_rank, process_group_left_at_the_end, quiet_other_processes
+from vlm_grpo_ma.run.engine_process import run_engine_process
 from vlm_grpo_ma.run.loop import train
 from vlm_grpo_ma.run.run_dir import resumed_settings
+from vlm_grpo_ma.run.split_launch import split_launch, stopped_engines
 from vlm_grpo_ma.task_api.registry import get_task, import_task_modules
 
 

@@ -27,27 +27,23 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 class WeightsInbox:
     """The weight versions trainer 0 sends, loaded into the engine's policy in order; ``take(at_least)`` loads
-    those already arrived and waits only while the newest is older than ``at_least``."""
+    those already sent (announced on the launch's store) and waits only while the newest is below ``at_least``."""
 
     def __init__(self, bridge: Bridge, policy, engine):
         self.bridge, self.policy, self.engine = bridge, policy, engine
-        self.version = None  # none loaded yet
-        self.posted = bridge.post_object(0, WEIGHTS_HEADER)
+        self.version = -1  # none loaded yet
 
     def take(self, at_least: int) -> float:
-        """Load every version that has arrived, and wait for more while the newest is below ``at_least``;
-        returns the seconds spent waiting."""
-        waited = 0.0
-        while True:
-            work, length = self.posted
-            if self.version is not None and self.version >= at_least and not work.is_completed():
-                return waited
+        """Load every version sent so far, and wait for more while the newest is below ``at_least``; returns the
+        seconds spent waiting for versions not yet sent."""
+        sent, waited = self.bridge.announced(), 0.0
+        while self.version < max(at_least, sent, 0):
             started = time.perf_counter()
-            self.bridge.wait(work, 0)
-            waited += time.perf_counter() - started
-            header = self.bridge.finish_object(0, WEIGHTS_HEADER, length)
-            self.posted = self.bridge.post_object(0, WEIGHTS_HEADER)
+            header = self.bridge.recv_object(0, WEIGHTS_HEADER)
+            if header["version"] > sent:  # not sent when this began: the engine waited for the trainers
+                waited += time.perf_counter() - started
             self.load(header)
+        return waited
 
     def load(self, header: dict) -> None:
         state = self.policy.model.state_dict()
@@ -124,7 +120,7 @@ def serve_rollouts(cfg: Config, placement: Placement, bridge: Bridge) -> None:
                 if overlap:
                     piece = gather_groups([(rollout, b) for b in overlap])
                     bridge.send_object({"step": step, "version": inbox.version, "rollout": piece, "engine_idle_s": idle,
-                                       "tokens_per_second": speed}, trainer, TREE)
+                                       "tokens_per_second": speed, "engine_metrics": engine.step_metrics()}, trainer, TREE)
         inbox.take(at_least=cfg.train.steps - 1)  # the versions sent after this engine's last step
         bridge.goodbye(list(range(placement.trainers)))
         bridge.flush()

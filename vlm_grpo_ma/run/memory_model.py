@@ -47,6 +47,11 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
   counts it. Pushing the weights adds one tensor at a time: at most the largest tensor (the embedding) as an
   fp32 copy (FSDP's gather, LoRA's merge) and its cast to the engine's dtype.
 
+A split launch (``rollout.engine_processes``, ``run/split_launch.py``) is counted per role (``estimate``'s
+``role``): a trainer process samples nothing (no KV cache, no FSDP gather, no vLLM engine); an engine process
+holds the whole model once in ``model.dtype`` (the trainers send merged weights: no adapters; not sharded) and
+its share's KV cache (prompts_per_step / engine processes) or its vLLM engine, and trains nothing.
+
 The peak is weights + optimizer + reference + the larger of (rollout: KV cache [+ FSDP gather] or the engine's
 share and one pushed tensor) and (update: gradients + activations [+ the engine's share unless it sleeps]). A prompt is its visual tokens (``model.max_pixels`` / (patch x merge)^2) plus
 ``prompt_text_tokens`` (64: system prompt and instruction), plus, for data with videos (``videos_per_prompt``:
@@ -78,6 +83,7 @@ from vlm_grpo_ma.run.config import Config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 STRATEGIES = ("ddp", "fsdp")
+ROLES = ("both", "trainer", "engine")  # a process that samples and trains; a split launch's trainer or engine
 PARTS = ("weights", "gradients", "optimizer", "reference", "activations", "kv_cache")
 PROMPT_TEXT_TOKENS = 64
 GPU_SIZES_GB = (80, 141)
@@ -313,20 +319,25 @@ def decode_cache_bytes(arch: Architecture, cfg: Config, rows: int, tokens: int) 
 
 def estimate(
     arch: Architecture, cfg: Config, processes: int = 1, strategy: str = "ddp", prompt_text_tokens: int = PROMPT_TEXT_TOKENS,
-    device_bytes: int | None = None, videos_per_prompt: int = 0, tool_images_per_thought: int = 0,
+    device_bytes: int | None = None, videos_per_prompt: int = 0, tool_images_per_thought: int = 0, role: str = "both",
 ) -> MemoryEstimate:  # fmt: skip
-    """The bytes per GPU of ``cfg`` on ``processes`` GPUs under ``strategy``. ``device_bytes``: one GPU's memory,
+    """The bytes per GPU of ``cfg`` on ``processes`` GPUs under ``strategy``. ``role``: "both" (a process that
+    samples and trains), or a split launch's "trainer" (``processes``: the trainer processes) or "engine"
+    (``processes``: the engine processes, each sampling prompts_per_step / processes prompts; ``strategy`` does
+    not apply: an engine holds the whole model). ``device_bytes``: one GPU's memory,
     needed where the vLLM engine samples (it takes a share of it). ``videos_per_prompt``: the most videos a
     sample of the run's data holds (0: data without videos adds nothing). ``tool_images_per_thought``: the crops a
     thought may get back (``rollout.max_turns`` for a task with tools): their tokens lie inside the thought's
     budget, so only a trained vision tower's activations for them are added."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     if videos_per_prompt < 0:
         raise ValueError(f"videos_per_prompt {videos_per_prompt}: must be >= 0")
     if processes < 1 or cfg.train.prompts_per_step % processes:
         raise ValueError(f"processes {processes}: must be >= 1 and divide train.prompts_per_step ({cfg.train.prompts_per_step})")
-    shard = processes if strategy == "fsdp" else 1
+    shard = processes if strategy == "fsdp" and role != "engine" else 1
     counts = parameter_counts(arch)
     weight_bytes = DTYPE_BYTES[cfg.model.dtype]
     trained, trained_tensors, trained_bytes = trained_counts(arch, cfg)
@@ -391,7 +402,7 @@ def estimate(
     kv_cache = keys_values + recurrent_states + prompts * k * m * vocab * 12
     gather = full_weights - weights if strategy == "fsdp" and processes > 1 else 0
     engine = engine_in_update = engine_weights = push_transient = 0
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and role != "trainer":
         if device_bytes is None:
             raise ValueError("rollout.engine=vllm takes a share of the GPU's memory: give the GPU's size (device_bytes)")
         kv_cache = gather = recurrent_states = 0  # the engine samples in its own memory; the trainer's model is not gathered for it
@@ -400,12 +411,23 @@ def estimate(
         engine_dtype_bytes = compute_bytes(cfg)  # the engine runs in bf16 under mixed precision, as the trainer computes
         engine_weights = math.ceil(counts.total * engine_dtype_bytes / cfg.rollout.vllm_tensor_parallel_size)
         push_transient = vocab * h * (4 + engine_dtype_bytes)
-    return MemoryEstimate(
+    return _as_role(MemoryEstimate(
         weights=weights, gradients=gradients, optimizer=optimizer, reference=reference, activations=activations,
         kv_cache=kv_cache, fsdp_rollout_gather=gather, gradients_between_steps=math.ceil(trained * trained_bytes / shard), trained_elements=trained, micro_batches_per_process=micro_batches,
         engine=engine, engine_in_update=engine_in_update, engine_weights=engine_weights, push_transient=push_transient,
         recurrent_states=recurrent_states,
-    )  # fmt: skip
+    ), role, counts.total * weight_bytes)  # fmt: skip
+
+
+def _as_role(e: MemoryEstimate, role: str, model_bytes: int) -> MemoryEstimate:
+    """``e`` for a split launch's ``role``: a trainer without what sampling holds; an engine with the whole model
+    once (``model_bytes``: merged, so no adapters) and nothing that training holds."""
+    if role == "trainer":
+        return dataclasses.replace(e, kv_cache=0, recurrent_states=0, fsdp_rollout_gather=0, engine=0, engine_in_update=0, engine_weights=0, push_transient=0)
+    if role == "engine":
+        return dataclasses.replace(e, weights=model_bytes, gradients=0, optimizer=0, reference=0, activations=0, fsdp_rollout_gather=0,
+                                   gradients_between_steps=0, trained_elements=0, micro_batches_per_process=0)  # fmt: skip
+    return e
 
 
 def verdict(peak: int, gpu_gb: float) -> str:
@@ -423,21 +445,21 @@ def _with_tree(cfg: Config, thoughts: int, answers: int) -> Config:
 
 def tree_too_large(
     arch: Architecture, cfg: Config, processes: int, strategy: str, memory_bytes: int, *, videos_per_prompt: int = 0,
-    tool_images_per_thought: int = 0,
+    tool_images_per_thought: int = 0, role: str = "both",
 ) -> str | None:  # fmt: skip
     """Why the run's K x M cannot fit in ``memory_bytes`` per process by this model's own estimate, naming the
     keys and the largest tree that fits; None when the estimated peak fits, or when even K = 2, M = 1 (the
     smallest tree a config allows) does not: then the model or the micro-batch is what is too large, not the
     tree, and the estimate leaves out what a user may add against that, such as offloading. Only the estimate's peak against the whole memory: the
     CUDA context and the allocator's slack are not counted, so a run this refuses cannot fit. ``videos_per_prompt``,
-    ``tool_images_per_thought``: as ``estimate``'s."""
+    ``tool_images_per_thought``, ``role``: as ``estimate``'s (a split launch's role is named in the message)."""
     k, m = cfg.rollout.num_thoughts, cfg.rollout.num_answers
 
     def peak(thoughts: int, answers: int) -> int:
         return estimate(arch, _with_tree(cfg, thoughts, answers), processes, strategy, videos_per_prompt=videos_per_prompt,
-                        tool_images_per_thought=tool_images_per_thought).peak  # fmt: skip
+                        tool_images_per_thought=tool_images_per_thought, role=role).peak  # fmt: skip
 
-    run = estimate(arch, cfg, processes, strategy, videos_per_prompt=videos_per_prompt, tool_images_per_thought=tool_images_per_thought)
+    run = estimate(arch, cfg, processes, strategy, videos_per_prompt=videos_per_prompt, tool_images_per_thought=tool_images_per_thought, role=role)
     if run.peak <= memory_bytes or peak(2, 1) > memory_bytes:
         return None
 
@@ -450,10 +472,12 @@ def tree_too_large(
     else:
         thoughts = max(t for t in range(2, k + 1) if fits(t, 1))
         largest = f"With rollout.num_answers=1, at most rollout.num_thoughts={thoughts} fits"
+    who = "" if role == "both" else f"{role} "  # a split launch: whose tree it is
+    where = "" if role == "both" else f" on the {processes} {role} process(es)"
     return (
-        f"rollout.num_thoughts x rollout.num_answers = {k} x {m} does not fit: the memory model predicts a peak of "
-        f"{run.peak / 1e9:.1f} GB per process (rollout {run.rollout_peak / 1e9:.1f} GB, of which {run.kv_cache / 1e9:.1f} GB "
+        f"rollout.num_thoughts x rollout.num_answers = {k} x {m} does not fit{where}: the memory model predicts a peak of "
+        f"{run.peak / 1e9:.1f} GB per {who}process (rollout {run.rollout_peak / 1e9:.1f} GB, of which {run.kv_cache / 1e9:.1f} GB "
         f"of KV cache; update {run.update_peak / 1e9:.1f} GB) against {memory_bytes / 1e9:.1f} GB. {largest}; "
-        f"fewer train.prompts_per_step or shorter rollout.max_thought_tokens / max_answer_tokens also shrink it "
-        f"(python -m vlm_grpo_ma.memory --config ... shows the parts)"
+        f"fewer train.prompts_per_step{', more rollout.engine_processes' if role == 'engine' else ''} or shorter rollout.max_thought_tokens / max_answer_tokens also shrink it "
+        f"(python -m vlm_grpo_ma.memory --config ...{'' if role == 'both' else ' --engine-processes N'} shows the parts)"
     )

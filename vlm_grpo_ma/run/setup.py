@@ -34,7 +34,6 @@ from vlm_grpo_ma.run.memory_model import tree_too_large
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
 from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
-from vlm_grpo_ma.run.split_launch import RemoteEngine, in_flight_at_resume
 from vlm_grpo_ma.run.run_dir import (
     CONFIG_FILE,
     LOCK_FILE,
@@ -46,6 +45,7 @@ from vlm_grpo_ma.run.run_dir import (
     hold_run_dir,
     resume_history,
 )
+from vlm_grpo_ma.run.split_launch import RemoteEngine, in_flight_at_resume
 from vlm_grpo_ma.run.trackers import check_trackers, open_trackers, run_params
 from vlm_grpo_ma.run.update import score_rows
 from vlm_grpo_ma.task_api.registry import (
@@ -174,8 +174,14 @@ def check_tree_fits(cfg: Config, accelerator, videos_per_prompt: int = 0, tool_i
     cannot fit in a process's memory. The HF engine's KV cache is what it counts: a vLLM engine sizes its own
     cache, and a model the memory model does not know is not checked. Called before anything loads (no
     videos counted), and again once the data is known if its prompts hold videos (``videos_per_prompt``, the
-    most any prompt holds, each at the run's video budget)."""
-    if cfg.rollout.engine != "hf":
+    most any prompt holds, each at the run's video budget). A split launch (``rollout.engine_processes``; the
+    trainers call this, ``accelerator`` counting them alone) checks its trainers (role "trainer", no KV cache: a
+    vLLM engine's run too) and its engine processes (role "engine", the HF engine's KV cache of their share),
+    each against a process's memory here."""
+    engines = cfg.rollout.engine_processes
+    checks = [("trainer", accelerator.num_processes), ("engine", engines)] if engines else [("both", accelerator.num_processes)]
+    checks = [(role, n) for role, n in checks if role == "trainer" or cfg.rollout.engine == "hf"]
+    if not checks:
         return
     try:
         arch = architecture_of(cfg.model.name_or_path)
@@ -183,12 +189,13 @@ def check_tree_fits(cfg: Config, accelerator, videos_per_prompt: int = 0, tool_i
         log.debug("memory check skipped: %s", error)
         return
     strategy = "fsdp" if accelerator.num_processes > 1 and sharding.launch_settings() is not None else "ddp"
-    problem = tree_too_large(
-        arch, cfg, accelerator.num_processes, strategy, device_memory_bytes(accelerator.device), videos_per_prompt=videos_per_prompt,
-        tool_images_per_thought=tool_images_per_thought,
-    )  # fmt: skip
-    if problem is not None:
-        raise ConfigError(problem)
+    for role, processes in checks:
+        problem = tree_too_large(
+            arch, cfg, processes, strategy, device_memory_bytes(accelerator.device), videos_per_prompt=videos_per_prompt,
+            tool_images_per_thought=tool_images_per_thought, role=role,
+        )  # fmt: skip
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: bool, overwrite: bool, split=None) -> RunState:

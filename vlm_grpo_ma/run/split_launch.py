@@ -158,7 +158,7 @@ class RemoteEngine:
 
         waited = time.perf_counter()
         mine = trainer_slots(self.placement, self.cfg.train.prompts_per_step, self.placement.rank)
-        groups, versions, engine_idle, speeds = [], [], 0.0, []
+        groups, versions, engine_idle, speeds, engine_metrics = [], [], 0.0, [], {}
         for rank, slots in zip(self.placement.engine_ranks, engine_slots(self.placement, self.cfg.train.prompts_per_step), strict=True):
             if not set(slots) & set(mine):
                 continue
@@ -166,6 +166,7 @@ class RemoteEngine:
             if tree["step"] != self.step:
                 raise RuntimeError(f"{self.placement.describe(rank)} sent step {tree['step']}'s trees where step {self.step}'s were due")
             engine_idle, speeds = max(engine_idle, tree["engine_idle_s"]), speeds + [tree["tokens_per_second"]]
+            engine_metrics.update(tree["engine_metrics"])  # vLLM's prefix-cache hit rate
             piece = tree["rollout"]
             groups += [(piece, b) for b in range(piece.num_prompts)]
             versions += [tree["version"]] * piece.num_prompts
@@ -179,6 +180,7 @@ class RemoteEngine:
         rollout.staleness = staleness
         self.counts["stale_trees_dropped"] += dropped
         self.last = {
+            **engine_metrics,
             "rollout/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "rollout/staleness_max": max(staleness, default=0),
             "rollout/stale_trees_dropped": dropped,
@@ -202,6 +204,8 @@ class RemoteEngine:
         to = self.placement.engine_ranks if self.placement.rank == 0 else []
         header = {"version": self.version, "dtype": str(self.dtype).removeprefix("torch.")}
         sent = self.bridge.send_weights(streamed_weights(policy, self.dtype), to, header)
+        if to:
+            self.bridge.announce(self.version)
         self.last_push = {"time/weights_push_s": time.perf_counter() - started, "rollout/weights_push_bytes": sent}
 
     def sleep_until_push(self) -> None:

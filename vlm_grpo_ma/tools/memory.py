@@ -2,6 +2,7 @@
 
     python -m vlm_grpo_ma.memory --config configs/qwen2.5-vl-3b-lora-grounding-t4a4.yaml --processes 8 [--strategy fsdp] [--gpu-gb 80]
     python -m vlm_grpo_ma.memory --config PRESET --videos-per-prompt 1   # data with a video per sample
+    python -m vlm_grpo_ma.memory --config PRESET --processes 8 --engine-processes 2   # a split launch: 6 trainers, 2 engines
     python -m vlm_grpo_ma.memory --all      # every preset on 1 and 8 GPUs of 80 and 141 GB
 """
 
@@ -15,6 +16,7 @@ from vlm_grpo_ma.model.architectures import Architecture, architecture_of, param
 from vlm_grpo_ma.run.config import Config, ConfigError
 from vlm_grpo_ma.run.config_files import load_config
 from vlm_grpo_ma.run.memory_model import GPU_SIZES_GB, PARTS, STRATEGIES, estimate, verdict, video_tokens
+from vlm_grpo_ma.run.split_launch import check_split
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,13 +29,18 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.1f}"
 
 
-def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_gb: float, videos_per_prompt: int = 0, tool_images: int = 0) -> str:
+def report(
+    arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_gb: float, videos_per_prompt: int = 0, tool_images: int = 0,
+    role: str = "both",
+) -> str:  # fmt: skip
+    """The table of one process of ``role`` (``memory_model.estimate``'s) among ``processes`` of that role."""
     e = estimate(arch, cfg, processes, strategy, device_bytes=int(gpu_gb * 1e9), videos_per_prompt=videos_per_prompt,
-                 tool_images_per_thought=tool_images)  # fmt: skip
-    lines = [
-        f"{cfg.model.name_or_path}: {parameter_counts(arch).total:,} parameters, {e.trained_elements:,} trained; "
-        f"{processes} process(es), {strategy}, {e.micro_batches_per_process} micro-batch(es) per process and step",
-    ]
+                 tool_images_per_thought=tool_images, role=role)  # fmt: skip
+    if role == "engine":
+        what = f"{processes} engine process(es), each sampling {cfg.train.prompts_per_step // processes} prompt(s) per step, training nothing"
+    else:
+        what = f"{processes} {'trainer ' if role == 'trainer' else ''}process(es), {strategy}, {e.micro_batches_per_process} micro-batch(es) per process and step"
+    lines = [f"{cfg.model.name_or_path}: {parameter_counts(arch).total:,} parameters, {e.trained_elements:,} trained; {what}"]
     if videos_per_prompt:
         per_video = video_tokens(arch, cfg.model.video_max_frames, cfg.model.video_max_pixels)
         lines.append(f"{videos_per_prompt} video(s) per prompt, {per_video:,} tokens each (model.video_max_frames="
@@ -48,6 +55,7 @@ def report(arch: Architecture, cfg: Config, processes: int, strategy: str, gpu_g
         lines.append(f"  {'fsdp gather':<12} {e.fsdp_rollout_gather:>16,}  ({_gb(e.fsdp_rollout_gather)} GB, the rollout's gathered weights)")
     if e.engine:
         sleeps = "frees it for the update (vllm_sleep)" if not e.engine_in_update else "holds it through the update"
+        sleeps = "an engine process has no update" if role == "engine" else sleeps
         lines.append(f"  {'vllm engine':<12} {e.engine:>16,}  ({_gb(e.engine)} GB: {cfg.rollout.vllm_gpu_memory_utilization:g} of the GPU,"
                      f" its weights {_gb(e.engine_weights)} GB, the rest its KV cache; {sleeps})")  # fmt: skip
         lines.append(f"  {'weight push':<12} {e.push_transient:>16,}  ({_gb(e.push_transient)} GB: the largest tensor's fp32 copy and cast)")
@@ -103,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="crops a thought may get back (rollout.max_turns, for a task with tools such as zoom; default 0)")
     parser.add_argument("--videos-per-prompt", type=int, default=0,
                         help="the most videos a sample of the data holds, each counted at the model.video_* budget (default 0)")
+    parser.add_argument("--engine-processes", type=int, default=None,
+                        help="a split launch (rollout.engine_processes, which it sets): the last N of --processes only sample;"
+                             " prints the trainers' and the engines' tables (default: the config's, 0)")
     parser.add_argument("overrides", nargs="*", help="config overrides section.key=value")
     args = parser.parse_args(argv)
     if args.all:
@@ -115,10 +126,26 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--tool-images={args.tool_images} must be >= 0")
         if args.videos_per_prompt < 0:
             raise ValueError(f"--videos-per-prompt={args.videos_per_prompt} must be >= 0")
-        cfg = load_config(args.config, args.overrides)
+        if args.engine_processes is not None and args.engine_processes < 0:
+            raise ValueError(f"--engine-processes={args.engine_processes} must be >= 0")
+        split = [] if args.engine_processes is None else [f"rollout.engine_processes={args.engine_processes}"]
+        cfg = load_config(args.config, [*args.overrides, *split])
         arch = architecture_of(cfg.model.name_or_path)
+        engines = cfg.rollout.engine_processes
+        if engines and engines >= args.processes:
+            raise ValueError(f"--engine-processes={engines} leaves no trainer among --processes={args.processes}: --processes counts the"
+                             " launch's processes, trainers and engines; give more processes or fewer engine processes")  # fmt: skip
+        if engines:
+            check_split(cfg, args.processes)
+            trainers = args.processes - engines
+            text = (f"trainer processes: the first {trainers} of {args.processes} ({args.strategy} among them)\n"
+                    + report(arch, cfg, trainers, args.strategy, args.gpu_gb, args.videos_per_prompt, args.tool_images, role="trainer")
+                    + f"\n\nengine processes: the last {engines} of {args.processes} (rollout.engine_processes)\n"
+                    + report(arch, cfg, engines, args.strategy, args.gpu_gb, args.videos_per_prompt, args.tool_images, role="engine"))  # fmt: skip
+        else:
+            text = report(arch, cfg, args.processes, args.strategy, args.gpu_gb, args.videos_per_prompt, args.tool_images)
     except (ConfigError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(report(arch, cfg, args.processes, args.strategy, args.gpu_gb, args.videos_per_prompt, args.tool_images))
+    print(text)
     return 0
