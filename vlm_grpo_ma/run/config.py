@@ -95,10 +95,8 @@ class RolloutConfig:
     vllm_kv_cache_gib: float = 1.0  # CPU build only: its KV cache size, whole GiB (VLLM_CPU_KVCACHE_SPACE)
     vllm_tensor_parallel_size: int = 1  # processes per engine: groups of this many consecutive processes share one
     vllm_sleep: bool = False  # GPU only: free the engine's memory, weights too, during the update (sleep level 2)
-    # Split launch (docs/SCALING.md, "Engines on their own processes"): the last engine_processes processes only
-    # sample, the others only train; the engines may sample with weights up to max_staleness updates old (0: wait).
-    engine_processes: int = 0
-    max_staleness: int = 0
+    engine_processes: int = 0  # the last this many processes of a launch only sample, the others only train (docs/SCALING.md)
+    max_staleness: int = 0  # engine processes sample with weights up to this many updates old (0: they wait for each update)
 
 
 @dataclass

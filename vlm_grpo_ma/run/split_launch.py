@@ -24,8 +24,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import torch
-
 from vlm_grpo_ma.run.bridge import START, TREE, Bridge, PeerLost
 from vlm_grpo_ma.run.config import Config, ConfigError
 
