@@ -234,14 +234,23 @@ def run_streaming(command: list[str], env: dict, log_path: Path, *, timeout: flo
     return proc.returncode, "".join(lines)
 
 
+def _numbers(values) -> list:
+    return [v for v in values if isinstance(v, (int, float))]
+
+
 def _mean(values):
-    values = [v for v in values if isinstance(v, (int, float))]
+    values = _numbers(values)
     return sum(values) / len(values) if values else None
+
+
+def _steady(records: list[dict]) -> list[dict]:
+    """The records the means are taken over: all but step 1, which carries CUDA/allocator warm-up."""
+    return records[1:] if len(records) > 1 else records
 
 
 def summarize_run(records: list[dict], log_text: str) -> dict:
     """Timing and memory figures of a run from its metrics.jsonl records and its log."""
-    steady = records[1:] if len(records) > 1 else records  # step 1 carries CUDA/allocator warm-up
+    steady = _steady(records)
     peaks = [r.get("time/peak_gpu_memory_gb") for r in records]
     peaks = [p for p in peaks if isinstance(p, (int, float))]
     attention = re.findall(r"attention (\w+), coordinate frame", log_text)
@@ -303,6 +312,9 @@ H200_ESTIMATES = {
     "decode": 20,  # scripts/bench_decode_step.py
     "engines": 90,  # vLLM start (~40 s with CUDA graphs) + 2 alternating rounds of each engine (skipped without vLLM)
     "vllm": 200,  # T4A4 with vLLM: 1 GPU; with 2 GPUs also two engines and one TP-2 engine (~60 s each)
+    # two 2-process launches (S=1, S=0) of 3 T4A4 steps, ~110 s each: imports ~15 s, the engine process's vLLM
+    # start ~40 s (beside the trainer's ~35 s load), 3 steps ~10 s each, the final checkpoint (model + AdamW) ~40 s
+    "split": 220,
 }
 SECTIONS = {
     "model": "random model",
@@ -313,7 +325,21 @@ SECTIONS = {
     "decode": "decode-step benchmark (scripts/bench_decode_step.py)",
     "engines": "rollout engines: vLLM vs HF (python -m vlm_grpo_ma.tools.bench_engines)",
     "vllm": "T4A4 training with vLLM in every process: 1 GPU, two engines, one TP-2 engine",
+    "split": "split launch: an engine process beside a trainer, S=1 vs S=0",
 }
+# The split section's launches (issue 49; the placements of scripts/bench_split.py): the last of 2 processes only
+# samples, one update ahead of the trainer (S=1) or waiting for each update (S=0, no overlap).
+SPLIT_LAUNCHES = {
+    "S=1": ["rollout.engine_processes=1", "rollout.max_staleness=1"],
+    "S=0": ["rollout.engine_processes=1", "rollout.max_staleness=0"],
+}
+# vLLM's share of the GPU when the engine process and the trainer share one GPU (the engine never sleeps there: it
+# samples while the trainer updates). 0.25 of an 80 GB GPU (20 GB) holds the engine's 3B weights (7.5 GB in bf16),
+# its profiling peak and a KV cache many times the step's ~17k tokens; the trainer of the check's settings needs
+# ~38 GB (python -m vlm_grpo_ma.memory --processes 2 --engine-processes 1 with the check's overrides), so ~60 GB
+# of 80 are planned with the weight push and two CUDA contexts, ~20 GB left for the two allocators' slack. The
+# presets' 0.35 (28 GB) would leave about half that; a larger cache would not make this check's steps faster.
+SPLIT_SHARED_GPU_VLLM_SHARE = 0.25
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -333,7 +359,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget-s", type=float, default=560.0, help="wall-clock budget; a section whose estimate does not fit in what is left is skipped (default 560)")
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS), metavar="SECTION",
                         help=f"the sections to run (default all: {' '.join(SECTIONS)}; the model is built for any that needs it). "
-                             "One H200's 560 s hold all but 'vllm'; run that one as a second call: --sections model vllm")
+                             "One H200's 560 s hold all but 'vllm' and 'split'; run those as a second call: --sections model vllm split")
     parser.add_argument("--work-dir", type=Path, help="where the model and the runs go, kept afterwards (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (model, runs, logs) afterwards")
     parser.add_argument("--summary-json", type=Path, help="also write the figures as JSON to this file")
@@ -573,6 +599,109 @@ def vllm_section(args, model_dir: Path, work: Path, env: dict, budget: Budget) -
     return results
 
 
+def split_figures(records: list[dict]) -> dict:
+    """A split launch's own figures from its metrics.jsonl records: each step's staleness (``rollout/staleness_max``),
+    the trainer's and the engine's idle seconds (means over the steps after the first, as ``summarize_run``'s), the
+    log-prob gap max over the steps sampled with the trainer's current weights (staleness 0: the engine's numerical
+    gap; a stale step's gap also holds the update's change), and the smallest answer-level importance ESS (logged
+    where rollout.max_staleness > 0)."""
+    steady = _steady(records)
+    fresh_gaps = _numbers(r.get("rollout/logprob_gap_max") for r in records if r.get("rollout/staleness_max") == 0)
+    return {
+        "staleness_max": [r.get("rollout/staleness_max") for r in records],
+        "trainer_idle_s": _mean([r.get("time/trainer_idle_s") for r in steady]),
+        "engine_idle_s": _mean([r.get("time/engine_idle_s") for r in steady]),
+        "logprob_gap_max_staleness_0": max(fresh_gaps, default=None),
+        "importance_ess_answer_min": min(_numbers(r.get("rollout/importance_ess_answer") for r in records), default=None),
+    }
+
+
+def overlap_bound(result: dict) -> float | None:
+    """The least S=1 / S=0 seconds per step can be, from an S=0 run's parts (as scripts/bench_split.py): its step is
+    r + u (r: the trainer's wait for its trees, time/rollout_seconds; u: the rest, the update), overlapped at best
+    max(r, u)."""
+    rollout, step = result.get("rollout_seconds"), result.get("step_seconds")
+    if rollout is None or not step:
+        return None
+    return max(rollout, step - rollout) / step
+
+
+def split_command(args, model_dir: Path, run_dir: Path, launch: str, *, engine: str, gpus: int, steps: int) -> list[str]:
+    """The trainer's command line for the split launch ``launch`` (a key of SPLIT_LAUNCHES): 2 processes, the last an
+    engine process sampling with ``engine``."""
+    accelerate_config = "ddp.yaml" if args.device == "cuda" else "cpu-2proc.yaml"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate" / accelerate_config), "--num_processes", "2"]  # fmt: skip
+    extra = [] if args.device == "cuda" else ["train.num_threads=1"]  # CPU: the two processes run at once, a thread each
+    if engine == "vllm" and args.device == "cuda":
+        extra.append("rollout.vllm_sleep=false")  # an engine process never sleeps (on the CPU train_command says so already)
+        if gpus == 1:  # the trainer (LOCAL_RANK 0) and the engine process (the current device) share GPU 0
+            extra.append(f"rollout.vllm_gpu_memory_utilization={SPLIT_SHARED_GPU_VLLM_SHARE}")
+    return train_command(args, model_dir, run_dir, launcher=launcher, steps=steps, engine=engine) + SPLIT_LAUNCHES[launch] + extra
+
+
+def split_section(args, model_dir: Path, work: Path, env: dict, budget: Budget, figures: dict) -> dict:
+    """The T4A4 run as a split launch (issue 49: ``rollout.engine_processes=1``, the last of 2 processes only samples)
+    at S=1 and S=0, with vLLM on a GPU where it is installed, else (and on the CPU) the HF engine. Per launch: exit
+    code, traceback, staleness per step, s/step, the two sides' idle time, the log-prob gap at staleness 0 and the
+    importance ESS; then S=1 / S=0 against the overlap's bound from the S=0 run, and S=1 against the ordinary launch
+    of the same settings where an earlier section of this call ran it."""
+    import importlib.util
+
+    import torch
+
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device != "cuda":
+        engine = "hf"
+        print("  on the CPU: the HF engine (vLLM's CPU engine adds ~30 s to each launch)", flush=True)
+    elif importlib.util.find_spec("vllm") is None:
+        engine = "hf"
+        print("  vLLM is not installed (scripts/setup.sh --vllm): the engine process samples with the HF engine", flush=True)
+    else:
+        engine = "vllm"
+    if gpus == 1:
+        share = f", vLLM's share {SPLIT_SHARED_GPU_VLLM_SHARE}" if engine == "vllm" else ""
+        print(f"  1 GPU: the trainer and the engine process share it{share}", flush=True)
+    steps = max(min(args.steps, 3), 2)
+    from vlm_grpo_ma.run.metrics import read_metrics
+
+    results = {}
+    for launch in SPLIT_LAUNCHES:
+        run_dir = work / f"run-split-{launch[-1]}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        command = split_command(args, model_dir, run_dir, launch, engine=engine, gpus=gpus, steps=steps)
+        print("  " + " ".join(command[1:]), flush=True)
+        returncode, log_text = run_streaming(command, env, work / f"train-split-{launch[-1]}.log", timeout=budget.left(), echo=False)
+        records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        result = {**summarize_run(records, log_text), **split_figures(records), "engine": engine, "steps": steps}
+        result.update(exit_code=returncode, traceback="Traceback" in log_text)
+        print(f"  {launch}: exit code {returncode}, traceback {'yes' if result['traceback'] else 'no'}, {len(records)} of {steps} steps;"
+              f" staleness max per step {' '.join(map(str, result['staleness_max'])) or 'n/a'};"
+              f" {_fmt(result['step_seconds'], '.2f', ' s/step')} after step 1 (trainer's wait {_fmt(result['rollout_seconds'], '.2f', ' s')});"
+              f" idle: trainer {_fmt(result['trainer_idle_s'], '.2f', ' s')}, engine {_fmt(result['engine_idle_s'], '.2f', ' s')};"
+              f" log-prob gap max at staleness 0 {_fmt(result['logprob_gap_max_staleness_0'], '.3g')};"
+              f" importance ESS (answer) min {_fmt(result['importance_ess_answer_min'], '.3f')}", flush=True)  # fmt: skip
+        if returncode != 0:
+            print(f"  the launch failed; its log: {work / f'train-split-{launch[-1]}.log'}", flush=True)
+            args.keep = True
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        results[launch] = result
+    overlapped, waiting = results["S=1"]["step_seconds"], results["S=0"]["step_seconds"]
+    results["ratio"] = overlapped / waiting if overlapped and waiting else None
+    results["bound"] = overlap_bound(results["S=0"])
+    print(f"  S=1 / S=0 s/step {_fmt(results['ratio'], '.3f')}; bound max(r, u)/(r + u) from the S=0 run {_fmt(results['bound'], '.3f')}"
+          f" (r = its trainer's wait {_fmt(results['S=0']['rollout_seconds'], '.2f', ' s')}, u = the rest of its step)", flush=True)  # fmt: skip
+    if gpus <= 1:  # against one process of the same settings on the same device, where this call ran it
+        section = "vllm" if engine == "vllm" else "T4A4"
+        ordinary = figures.get(section)
+        if engine == "vllm" and isinstance(ordinary, dict):
+            ordinary = ordinary.get("1 process")
+        alone = ordinary.get("step_seconds") if isinstance(ordinary, dict) else None
+        results["ratio_to_one_process"] = overlapped / alone if overlapped and alone else None
+        print(f"  S=1 / one process (section {section}) s/step {_fmt(results['ratio_to_one_process'], '.3f')}"
+              f"{'' if alone else ' (that section did not run in this call)'}", flush=True)  # fmt: skip
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_arg_parser().parse_args(argv)
     if args.steps < 1:
@@ -645,7 +774,11 @@ def main(argv: list[str] | None = None) -> int:
         if budget.allows("vllm"):
             figures["vllm"] = vllm_section(args, model_dir, work, env, budget)
             failed |= isinstance(figures["vllm"], dict) and any(r["exit_code"] != 0 or r["traceback"] for r in figures["vllm"].values())
-        header(10, "summary")
+        header(10, SECTIONS["split"])
+        if budget.allows("split"):
+            figures["split"] = split_section(args, model_dir, work, env, budget, figures)
+            failed |= any(r["exit_code"] != 0 or r["traceback"] or r["steps_logged"] < r["steps"] for r in map(figures["split"].get, SPLIT_LAUNCHES))
+        header(11, "summary")
         for key in ("T4A4", "T16A1"):
             r = figures.get(key)
             if isinstance(r, dict):
@@ -661,6 +794,10 @@ def main(argv: list[str] | None = None) -> int:
         for attention, out in (figures.get("forward") or {}).items():
             text = out if isinstance(out, str) else f"ratio {out['ratio']:.2f}x, log-prob max difference {out['logprob_max_abs_diff']:.2e}"
             print(f"  forward, {attention}: {text}")
+        if isinstance(figures.get("split"), dict):
+            r = figures["split"]
+            print(f"  split ({r['S=1']['engine']} engine): S=1 {_fmt(r['S=1']['step_seconds'], '.2f', ' s/step')}, S=0 "
+                  f"{_fmt(r['S=0']['step_seconds'], '.2f', ' s/step')}, ratio {_fmt(r['ratio'], '.3f')} (bound {_fmt(r['bound'], '.3f')})")  # fmt: skip
         print(f"  wall time {time.perf_counter() - budget.started:.0f} s of the {args.budget_s:.0f} s budget", flush=True)
         figures["total_seconds"] = time.perf_counter() - budget.started
         if args.summary_json:

@@ -340,11 +340,53 @@ def test_gpu_check_budget_skips_a_section_that_does_not_fit(gpu_check, capsys):
     assert "skipped: the budget has" in capsys.readouterr().out
     budget_s = gpu_check.build_arg_parser().get_default("budget_s")
     estimates = gpu_check.H200_ESTIMATES
-    # the default budget holds every section's estimate but vLLM training's, which is the second call's (--sections model vllm)
-    assert sum(seconds for key, seconds in estimates.items() if key != "vllm") <= budget_s
-    assert estimates["model"] + estimates["vllm"] <= budget_s
+    # the default budget holds every section's estimate but vLLM training's and the split launch's, which are the
+    # second call's (--sections model vllm split)
+    assert sum(seconds for key, seconds in estimates.items() if key not in ("vllm", "split")) <= budget_s
+    assert estimates["model"] + estimates["vllm"] + estimates["split"] <= budget_s
     chosen = gpu_check.Budget(100.0, {"model": 1, "vllm": 1, "decode": 1}, {"model", "vllm"})
     assert chosen.allows("vllm") and not chosen.allows("decode") and "not asked for (--sections)" in capsys.readouterr().out
+
+
+def test_gpu_check_split_commands(gpu_check, tmp_path):
+    """The split section's two launches: 2 processes, the last an engine process, one update ahead (S=1) or none
+    (S=0); with vLLM on one GPU a smaller vLLM share (the trainer shares the GPU) and no sleep (the engine process
+    samples through the update); on the CPU the CPU launch file."""
+    args = gpu_check.build_arg_parser().parse_args([])
+    args.device = "cuda"
+    for gpus, share in ((1, gpu_check.SPLIT_SHARED_GPU_VLLM_SHARE), (2, 0.35)):
+        for launch, staleness in (("S=1", 1), ("S=0", 0)):
+            command = gpu_check.split_command(args, tmp_path / "model", tmp_path / "run", launch, engine="vllm", gpus=gpus, steps=3)
+            assert command[command.index("--config_file") + 1].endswith("ddp.yaml") and command[command.index("--num_processes") + 1] == "2"
+            cfg = load_config(ROOT / "configs" / "qwen2.5-vl-3b-grounding-t4a4.yaml", [a for a in command if "=" in a])
+            assert (cfg.rollout.engine_processes, cfg.rollout.max_staleness, cfg.train.steps) == (1, staleness, 3), launch
+            assert (cfg.rollout.engine, cfg.rollout.vllm_sleep, cfg.rollout.vllm_gpu_memory_utilization) == ("vllm", False, share)
+    args.device = "cpu"
+    command = gpu_check.split_command(args, tmp_path, tmp_path, "S=1", engine="hf", gpus=0, steps=2)
+    assert command[command.index("--config_file") + 1].endswith("cpu-2proc.yaml")
+    cfg = load_config(None, [a for a in command if "=" in a])
+    assert (cfg.rollout.engine, cfg.rollout.max_staleness, cfg.model.dtype, cfg.train.num_threads) == ("hf", 1, "float32", 1)
+
+
+def test_gpu_check_split_figures_and_overlap_bound(gpu_check):
+    records = [
+        {"rollout/staleness_max": 0, "rollout/logprob_gap_max": 2e-3, "time/trainer_idle_s": 9.0, "time/engine_idle_s": 0.0},
+        {"rollout/staleness_max": 1, "rollout/logprob_gap_max": 0.5, "time/trainer_idle_s": 1.0, "time/engine_idle_s": 0.2,
+         "rollout/importance_ess_answer": 0.9},
+        {"rollout/staleness_max": 0, "rollout/logprob_gap_max": 3e-3, "time/trainer_idle_s": 3.0, "time/engine_idle_s": 0.4,
+         "rollout/importance_ess_answer": 0.7},
+    ]  # fmt: skip
+    figures = gpu_check.split_figures(records)
+    assert figures["staleness_max"] == [0, 1, 0]
+    assert (figures["trainer_idle_s"], figures["engine_idle_s"]) == (2.0, pytest.approx(0.3))  # step 1 not in the means
+    assert figures["logprob_gap_max_staleness_0"] == 3e-3  # the stale step's 0.5 holds an update: not counted
+    assert figures["importance_ess_answer_min"] == 0.7
+    none = gpu_check.split_figures([{"rollout/staleness_max": 1}])
+    assert none["logprob_gap_max_staleness_0"] is None and none["importance_ess_answer_min"] is None
+    # S=0: steps of 4 s of which the trainer waited 3 for its trees: overlapped, at best 3 s of 4
+    assert gpu_check.overlap_bound({"step_seconds": 4.0, "rollout_seconds": 3.0}) == 0.75
+    assert gpu_check.overlap_bound({"step_seconds": 4.0, "rollout_seconds": 1.0}) == 0.75
+    assert gpu_check.overlap_bound({"step_seconds": None, "rollout_seconds": 1.0}) is None
 
 
 @pytest.mark.slow
@@ -378,6 +420,14 @@ def test_gpu_check_cpu_self_check_prints_every_section(tmp_path):
         assert re.search(rf"model\s+\d+\.\d+M \|\s+[\d.]+\s+\d+\s+-\s+\d+\s+{number}\s+{number} \|\s+[\d.]+\s+\d+\s+[\d.]+\s+\d+\s+{number}\s+{number} \|", out), out[-2000:]
         # and a T4A4 run sampled with vLLM, exiting cleanly, its hit rate and gap printed
         assert re.search(r"1 process: exit code 0, traceback no, 2 steps; .* hit rate 0\.\d+, log-prob gap max", out), out[-2000:]
+    # the split launch (the HF engine on the CPU): both launches run their 2 steps; S=0 samples every step with the
+    # trainer's weights, S=1 with weights at most one update old and importance-corrected (its ESS is logged)
+    number = r"\d+(?:\.\d+)?(?:e[+-]\d+)?"
+    for launch, staleness, ess in (("S=1", "0 [01]", r"[01]\.\d{3}"), ("S=0", "0 0", "n/a")):
+        line = (rf"  {launch}: exit code 0, traceback no, 2 of 2 steps; staleness max per step {staleness}; {number} s/step .*"
+                rf" idle: trainer {number} s, engine {number} s; log-prob gap max at staleness 0 {number}; importance ESS \(answer\) min {ess}\n")  # fmt: skip
+        assert re.search(line, out), launch
+    assert re.search(r"S=1 / S=0 s/step [\d.]+; bound max\(r, u\)/\(r \+ u\) from the S=0 run 0\.\d+", out)
     figures = json.loads((tmp_path / "s.json").read_text())
     assert figures["forward"]["sdpa"]["logprob_max_abs_diff"] <= 1e-4
 

@@ -17,6 +17,7 @@ from collections import Counter
 import torch
 
 from vlm_grpo_ma.engines.rollout import gather_groups
+from vlm_grpo_ma.run import survive
 from vlm_grpo_ma.run.bridge import EXCHANGE, START, TREE, WEIGHTS_HEADER, Bridge, PeerLost
 from vlm_grpo_ma.run.config import Config, ConfigError
 from vlm_grpo_ma.run.split_launch import Placement, engine_slots, trainer_slots
@@ -61,6 +62,7 @@ class WeightsInbox:
 def run_engine_process(cfg: Config, placement: Placement, bridge: Bridge) -> int:
     """``serve_rollouts`` with the exit code of the command: an engine says its own failure in one line; a
     trainer's end (its connection closing) is said by the trainer."""
+    restore_sigterm = survive.raise_on_sigterm()  # the launcher's SIGTERM ends the engine with 143, quietly
     try:
         serve_rollouts(cfg, placement, bridge)
     except PeerLost as error:
@@ -69,8 +71,10 @@ def run_engine_process(cfg: Config, placement: Placement, bridge: Bridge) -> int
     except ConfigError as error:
         print(f"error: {placement.describe(placement.rank)}: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C or the launcher's SIGTERM: the trainers save, the engine has nothing to save
-        return 130
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or the launcher's SIGTERM: the trainers save; an engine holds nothing to save
+        return interrupt.exit_code if isinstance(interrupt, survive.Terminated) else 130
+    finally:
+        restore_sigterm()
     return 0
 
 
@@ -86,7 +90,10 @@ def serve_rollouts(cfg: Config, placement: Placement, bridge: Bridge) -> None:
         torch.set_num_threads(cfg.train.num_threads)
     set_seed(cfg.train.seed)
     index, prompts_per_step = placement.rank - placement.trainers, cfg.train.prompts_per_step
-    device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
+    # The policy's copy samples (HF engine) on the GPU; beside a vLLM engine it only receives the weights and
+    # encodes prompts, in host memory, leaving the GPU to vLLM.
+    on_gpu = torch.cuda.is_available() and cfg.rollout.engine == "hf"
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if on_gpu else torch.device("cpu")
     tasks, stream = load_prompt_stream(cfg)
     policy = load_model_policy(cfg, cfg.model.name_or_path, device)
     policy.model.eval().requires_grad_(False)

@@ -50,7 +50,8 @@ Every figure is a pure function of (``architectures.Architecture``, ``config.Con
 A split launch (``rollout.engine_processes``, ``run/split_launch.py``) is counted per role (``estimate``'s
 ``role``): a trainer process samples nothing (no KV cache, no FSDP gather, no vLLM engine); an engine process
 holds the whole model once in ``model.dtype`` (the trainers send merged weights: no adapters; not sharded) and
-its share's KV cache (prompts_per_step / engine processes) or its vLLM engine, and trains nothing.
+its share's KV cache (prompts_per_step / engine processes), or its vLLM engine alone (the copy that receives the
+weights then stays in host memory), and trains nothing.
 
 The peak is weights + optimizer + reference + the larger of (rollout: KV cache [+ FSDP gather] or the engine's
 share and one pushed tensor) and (update: gradients + activations [+ the engine's share unless it sleeps]). A prompt is its visual tokens (``model.max_pixels`` / (patch x merge)^2) plus
@@ -416,7 +417,7 @@ def estimate(
         kv_cache=kv_cache, fsdp_rollout_gather=gather, gradients_between_steps=math.ceil(trained * trained_bytes / shard), trained_elements=trained, micro_batches_per_process=micro_batches,
         engine=engine, engine_in_update=engine_in_update, engine_weights=engine_weights, push_transient=push_transient,
         recurrent_states=recurrent_states,
-    ), role, counts.total * weight_bytes)  # fmt: skip
+    ), role, 0 if cfg.rollout.engine == "vllm" else counts.total * weight_bytes)  # fmt: skip
 
 
 def _as_role(e: MemoryEstimate, role: str, model_bytes: int) -> MemoryEstimate:

@@ -91,21 +91,20 @@ def split_launch(cfg: Config) -> tuple[Placement, Bridge]:
     rank, size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_split(cfg, size)
     placement = Placement(rank=rank, size=size, engines=cfg.rollout.engine_processes)
-    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    address, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's (and accelerate launch's) own store
         store = dist.TCPStore(address, port, is_master=False, timeout=BRIDGE_START)
         store = dist.PrefixStore(f"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     else:  # launched by hand: the first process keeps a store beside the trainers' own
         store = dist.TCPStore(address, port + 1, size, is_master=rank == 0, timeout=BRIDGE_START)
     bridge = Bridge.open(store, rank, size, placement.describe)
-    if not placement.is_engine:
-        bridge.watch(placement.engine_ranks)  # which engine stopped, when the launcher stops the trainers
     if placement.is_engine:
         os.environ.update(RANK="0", WORLD_SIZE="1")
         for key in ("TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)
     else:
         os.environ["WORLD_SIZE"] = str(placement.trainers)
+        bridge.watch(placement.engine_ranks)  # which engine stopped, when the launcher stops the trainers
     return placement, bridge
 
 
