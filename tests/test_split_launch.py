@@ -348,14 +348,14 @@ def test_every_tree_comes_from_the_one_version_it_is_recorded_with(untrained_tin
 # ------------------------------------------------------------------------------------------------- launched
 
 
-def _launch(run_dir: Path, *overrides: str, engine_processes: int = 1) -> subprocess.Popen:
-    """Two CPU processes (one engine and one trainer, or two of each kind's usual run with ``engine_processes=0``)
-    training the tiny untrained model; stdout and stderr together."""
+def _launch(run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """A CPU launch of one trainer process and one engine process training the tiny untrained model (stdout and
+    stderr together)."""
     from conftest import TINY_RUN
 
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu-2proc.yaml"),
-               "-m", "vlm_grpo_ma.train", "--output-dir", str(run_dir), *TINY_RUN, "train.num_threads=1",
-               f"rollout.engine_processes={engine_processes}", *overrides]  # fmt: skip
+               "-m", "vlm_grpo_ma.train", "--output-dir", str(run_dir), *TINY_RUN, "train.num_threads=1", "rollout.engine_processes=1",
+               *overrides]  # fmt: skip
     return _popen(command)
 
 
@@ -363,15 +363,6 @@ def _popen(command: list[str]) -> subprocess.Popen:
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environment.get("PYTHONPATH")]))
     return subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(process: subprocess.Popen, seconds: float) -> str:
-    try:
-        return process.communicate(timeout=seconds)[0]
-    except subprocess.TimeoutExpired:
-        process.kill()
-        subprocess.run(["pkill", "-9", "-f", "vlm_grpo_ma.train"], check=False)
-        pytest.fail(f"the launch did not stop within {seconds} s (one side waiting on the other)")
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -392,6 +383,7 @@ def test_one_engine_and_one_trainer_at_staleness_0_train_what_one_process_trains
     holding the trainer's weights exactly (log-prob gap as one process's). Planted and seen to fail: the engine's
     prompts drawn one step late (stream state sent after a draw), and the weights not pushed after an update."""
     from conftest import TINY_RUN
+    from test_multiprocess import _finish
 
     # a large rate: weights the engine missed would sample other tokens and show in the gap
     overrides = [f"model.name_or_path={untrained_tiny_dir}", "data.task=answer_length", f"data.task_modules=[{LENGTH_TASK}]",
@@ -415,7 +407,7 @@ def test_a_mixture_at_staleness_1_then_an_engine_killed_mid_run_is_named_and_the
     Killing the engine process stops the launch with one line naming it; the trainer keeps the steps done; the
     resume discards the tree sampled ahead (counted), and continues without a traceback. Planted and seen to fail:
     no goodbye watch (the launch stopped with no line naming the engine)."""
-    from test_multiprocess import _worker_pid
+    from test_multiprocess import _finish, _worker_pid
 
     run = tmp_path / "run"
     overrides = [f"model.name_or_path={untrained_tiny_dir}", "data.tasks={grounding: 1, code: 1}", "rollout.max_staleness=1",
@@ -458,6 +450,8 @@ def test_a_vllm_engine_process_samples_one_step_ahead(untrained_tiny_dir, tmp_pa
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 but vLLM is not installed (scripts/setup.sh --vllm)")
         pytest.skip("vLLM is not installed (scripts/setup.sh --vllm)")
+    from test_multiprocess import _finish
+
     run = tmp_path / "run"
     process = _launch(run, f"model.name_or_path={untrained_tiny_dir}", "data.tasks={grounding: 1, code: 1}", "rollout.engine=vllm",
                       "rollout.max_staleness=1", "train.steps=3")  # fmt: skip

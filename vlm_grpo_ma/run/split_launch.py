@@ -21,7 +21,6 @@ import datetime
 import logging
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 from vlm_grpo_ma.run.bridge import START, TREE, Bridge, PeerLost
@@ -143,7 +142,6 @@ class RemoteEngine:
         self.cfg, self.placement, self.bridge = cfg, placement, bridge
         self.step = self.version = start_step  # the step to receive next; the weights' version (updates done)
         self.dtype = next(policy.model.parameters()).dtype
-        self.counts: Counter = Counter()
         self.last: dict[str, float] = {}
         if placement.rank == 0:
             for rank in placement.engine_ranks:
@@ -175,7 +173,6 @@ class RemoteEngine:
         rollout.samples, rollout.prompts = list(samples), list(prompts)
         rollout, staleness, dropped = fresh_trees(rollout, versions, self.step, self.cfg.rollout.max_staleness)
         rollout.staleness = staleness
-        self.counts["stale_trees_dropped"] += dropped
         self.last = {
             **engine_metrics,
             "rollout/staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
@@ -191,6 +188,7 @@ class RemoteEngine:
 
     def push_weights(self, policy) -> None:
         self.version += 1
+        self.last_push = {}
         if self.version < self.cfg.train.steps:  # after the last step no tree is sampled again
             self._send_weights(policy)
 
@@ -209,7 +207,7 @@ class RemoteEngine:
         """Nothing: the engines hold their memory in their own processes."""
 
     def step_metrics(self) -> dict[str, float]:
-        return {**self.last, **getattr(self, "last_push", {})}
+        return {**self.last, **self.last_push}
 
     def close(self, orderly: bool) -> None:
         """Wait until the engines have what was sent, unless one has stopped (nothing would receive it)."""
