@@ -695,10 +695,11 @@ def split_section(args, model_dir: Path, work: Path, env: dict, budget: Budget, 
         ordinary = figures.get(section)
         if engine == "vllm" and isinstance(ordinary, dict):
             ordinary = ordinary.get("1 process")
-        alone = ordinary.get("step_seconds") if isinstance(ordinary, dict) else None
+        # a run of one step has only its warm-up step to give
+        alone = ordinary.get("step_seconds") if isinstance(ordinary, dict) and ordinary.get("steps_logged", 0) > 1 else None
         results["ratio_to_one_process"] = overlapped / alone if overlapped and alone else None
         print(f"  S=1 / one process (section {section}) s/step {_fmt(results['ratio_to_one_process'], '.3f')}"
-              f"{'' if alone else ' (that section did not run in this call)'}", flush=True)  # fmt: skip
+              f"{'' if alone else ' (that section did not run more than one step in this call)'}", flush=True)  # fmt: skip
     return results
 
 

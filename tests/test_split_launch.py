@@ -461,3 +461,26 @@ def test_a_vllm_engine_process_samples_one_step_ahead(untrained_tiny_dir, tmp_pa
     assert [r["rollout/staleness_max"] for r in records] == [0, 1, 1]
     assert records[0]["rollout/logprob_gap_max"] < 1e-4  # fresh weights: the engine's log-probs are the trainer's
     assert all("rollout/prefix_cache_hit_rate" in r for r in records)
+
+
+def test_an_engine_process_sees_only_its_own_gpu(monkeypatch):
+    """The local rank's GPU of those visible, shared where there are fewer GPUs than processes; nothing without
+    GPUs. Planted and seen to fail: the first GPU for every engine."""
+    from vlm_grpo_ma.run.split_launch import pin_gpu
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pin_gpu(6)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    pin_gpu(1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    pin_gpu(1)  # one GPU, two processes: shared
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    pin_gpu(1)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""

@@ -93,7 +93,7 @@ def serve_rollouts(cfg: Config, placement: Placement, bridge: Bridge) -> None:
     # The policy's copy samples (HF engine) on the GPU; beside a vLLM engine it only receives the weights and
     # encodes prompts, in host memory, leaving the GPU to vLLM.
     on_gpu = torch.cuda.is_available() and cfg.rollout.engine == "hf"
-    device = torch.device(f"cuda:{torch.cuda.current_device()}") if on_gpu else torch.device("cpu")
+    device = torch.device("cuda:0") if on_gpu else torch.device("cpu")  # its own GPU (split_launch.pin_gpu)
     tasks, stream = load_prompt_stream(cfg)
     policy = load_model_policy(cfg, cfg.model.name_or_path, device)
     policy.model.eval().requires_grad_(False)
@@ -122,12 +122,13 @@ def serve_rollouts(cfg: Config, placement: Placement, bridge: Bridge) -> None:
             tree = rollout.tree
             speed = (sum(map(len, tree.thought_ids)) + sum(map(len, tree.answer_ids))) / (time.perf_counter() - started)
             rollout = dataclasses.replace(rollout, prompts=[None] * rollout.num_prompts)  # each trainer encodes its own
+            report = {"step": step, "version": inbox.version, "engine_idle_s": idle, "tokens_per_second": speed,
+                      "engine_metrics": engine.step_metrics()}  # fmt: skip
             for trainer in range(placement.trainers):
                 overlap = [b - mine.start for b in trainer_slots(placement, prompts_per_step, trainer) if b in mine]
                 if overlap:
                     piece = gather_groups([(rollout, b) for b in overlap])
-                    bridge.send_object({"step": step, "version": inbox.version, "rollout": piece, "engine_idle_s": idle,
-                                       "tokens_per_second": speed, "engine_metrics": engine.step_metrics()}, trainer, TREE)
+                    bridge.send_object({**report, "rollout": piece}, trainer, TREE)
         inbox.take(at_least=cfg.train.steps - 1)  # the versions sent after this engine's last step
         bridge.goodbye(list(range(placement.trainers)))
         bridge.flush()

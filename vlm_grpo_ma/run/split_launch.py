@@ -101,10 +101,25 @@ def split_launch(cfg: Config) -> tuple[Placement, Bridge]:
         os.environ.update(RANK="0", WORLD_SIZE="1")
         for key in ("TORCHELASTIC_USE_AGENT_STORE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key, None)
+        pin_gpu(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         os.environ["WORLD_SIZE"] = str(placement.trainers)
         bridge.watch(placement.engine_ranks)  # which engine stopped, when the launcher stops the trainers
     return placement, bridge
+
+
+def pin_gpu(local_rank: int) -> None:
+    """An engine process sees only its own GPU, the ``local_rank``-th of this machine's (several processes share
+    one where there are fewer GPUs), so that its model and a vLLM engine, which takes device 0 of what it sees, land
+    there. Before anything starts CUDA; nothing on a machine without GPUs."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(index) for index in range(count)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[local_rank % len(devices)]
 
 
 def stopped_engines(split) -> str | None:
