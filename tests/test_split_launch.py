@@ -423,7 +423,7 @@ def test_a_mixture_at_staleness_1_then_an_engine_killed_mid_run_is_named_and_the
     assert process.returncode != 0
     named = [line for line in output.splitlines() if re.match(r"error: engine process 0 \(launch rank 1\) stopped mid-run", line)]
     assert len(named) == 1, output
-    assert output.count(f"Continue with: python -m vlm_grpo_ma.train --output-dir {run} --resume") == 1, output
+    assert output.count(f"Continue with: the same launch (accelerate launch <its options> -m vlm_grpo_ma.train --output-dir {run} --resume)") == 1, output
     records = _records(run)
     from vlm_grpo_ma.run.checkpoint import latest_checkpoint
 

@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     except PeerLost as error:  # an engine process of a split launch stopped: the trainers saved what they had
         say_error(error, rank)
         if rank == 0:
-            print(how_to_continue(Path(cfg.train.output_dir)), file=sys.stderr)
+            print(how_to_continue(Path(cfg.train.output_dir), split_launch=split is not None), file=sys.stderr)
         return 1
     except KeyboardInterrupt as interrupt:  # train() saved a checkpoint of the steps done
         if rank == 0:
             if (line := stopped_engines(split)) is not None:  # the launcher stops the trainers when an engine dies
                 print(line, file=sys.stderr)
-            print(how_to_continue(Path(cfg.train.output_dir)), file=sys.stderr)
+            print(how_to_continue(Path(cfg.train.output_dir), split_launch=split is not None), file=sys.stderr)
         return interrupt.exit_code if isinstance(interrupt, survive.Terminated) else 130
     return 0
 
@@ -134,13 +134,14 @@ def say_error(error: Exception, rank: int) -> None:
         print(f"error: {error}", file=sys.stderr)
 
 
-def how_to_continue(run_dir: Path) -> str:
+def how_to_continue(run_dir: Path, split_launch: bool = False) -> str:
     """The line a run stopped by Ctrl-C or SIGTERM ends with: the checkpoint it continues from and the command
-    (the run's own config.yaml holds its settings), or, with none saved yet, how to start again."""
+    (the run's own config.yaml holds its settings), or, with none saved yet, how to start again. A split launch
+    (``rollout.engine_processes``) continues under a launch of as many processes: its engines are some of them."""
     last = ckpt.latest_checkpoint(run_dir)
     if last is None:
         return "stopped before the first checkpoint, so there is nothing to continue; to start again, add --overwrite to the same command"
-    return (
-        f"stopped; checkpoint {last} holds step {ckpt.checkpoint_step(last)}. Continue with:"
-        f" python -m vlm_grpo_ma.train --output-dir {shlex.quote(str(run_dir))} --resume"
-    )
+    command = f"python -m vlm_grpo_ma.train --output-dir {shlex.quote(str(run_dir))} --resume"
+    if split_launch:
+        command = f"the same launch (accelerate launch <its options> -m vlm_grpo_ma.train --output-dir {shlex.quote(str(run_dir))} --resume)"
+    return f"stopped; checkpoint {last} holds step {ckpt.checkpoint_step(last)}. Continue with: {command}"
