@@ -73,8 +73,8 @@ def _in_thread(work):
 
 
 def test_the_bridge_carries_objects_and_weights_in_buckets_exactly(monkeypatch):
-    """Planted and seen to fail: each bucket's offset not advanced (every tensor read from the bucket's start), and
-    a tensor larger than a bucket dropped."""
+    """Planted and seen to fail: each bucket's offset not advanced (every tensor read from the bucket's start; it
+    passed until two tensors shared a bucket, as a and c do now)."""
     monkeypatch.setattr(bridge_module, "BUCKET_BYTES", 64)  # 16 float32s: several buckets, one tensor over the size
     trainer, engine = _bridges()
     generator = torch.Generator().manual_seed(0)
@@ -120,8 +120,7 @@ def _send_version(trainer: Bridge, version: int) -> None:
 
 def test_the_engine_takes_weights_in_order_and_waits_only_for_a_version_it_needs():
     """``take(at_least)``: loads what has arrived, waits while the newest is below the bound, not beyond it.
-    Planted and seen to fail: waiting for one more version than needed (the test's other side then never sends it:
-    a deadlock), and taking only one version per call (version 1 kept where 2 had arrived)."""
+    Planted and seen to fail: the versions already sent ignored (version 1 kept where 2 had been sent)."""
     from vlm_grpo_ma.run.engine_process import WeightsInbox
 
     trainer, engine_side = _bridges()
@@ -380,8 +379,8 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_one_engine_and_one_trainer_at_staleness_0_train_what_one_process_trains(untrained_tiny_dir, tmp_path):
     """The same rewards at every step and the same weights (float32, 1e-6) as the one-process run, with the engine
-    holding the trainer's weights exactly (log-prob gap as one process's). Planted and seen to fail: the engine's
-    prompts drawn one step late (stream state sent after a draw), and the weights not pushed after an update."""
+    holding the trainer's weights exactly (log-prob gap as one process's). Planted and seen to fail: the engine
+    skipping one layer's weights when it loads a version (the rewards of step 3 differed)."""
     from conftest import TINY_RUN
     from test_multiprocess import _finish
 

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-# Weights travel in buckets of at most this many bytes (one tensor larger than that goes alone): the sender holds
-# one bucket beyond the model at a time, however large the model.
+# Weights travel in buckets of at most this many bytes (one tensor larger than that goes alone), one message each:
+# no message grows with the model. The sender's buckets stay in host memory until received (send_weights).
 BUCKET_BYTES = 256 * 2**20
 # How long a receive waits for its peer: an engine waits for weights through a held-out evaluation, a trainer for a
 # tree through a long sampling. A peer that exits is noticed at once (its connection closes), not after this.
