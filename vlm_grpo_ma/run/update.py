@@ -176,7 +176,6 @@ def scorer_model(scorer: torch.nn.Module) -> torch.nn.Module:
     return getattr(scorer, "module", scorer).model
 
 
-
 def corrected(cfg: Config) -> bool:
     """Whether the loss re-weights each token by its truncated importance ratio (``truncated_importance_weights``):
     ``algorithm.rollout_correction=tis``, and always where engines may sample with older weights
