@@ -82,7 +82,7 @@ def serve_rollouts(cfg: Config, placement: Placement, bridge: Bridge) -> None:
     from accelerate.utils import set_seed
 
     from vlm_grpo_ma.run.loop import draw_prompts, encode_sample, sampling_settings
-    from vlm_grpo_ma.run.rollout_engine import make_engine
+    from vlm_grpo_ma.run.rollout_engine import make_engine, media_room
     from vlm_grpo_ma.run.setup import load_model_policy, load_prompt_stream
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -99,9 +99,8 @@ def serve_rollouts(cfg: Config, placement: Placement, bridge: Bridge) -> None:
     policy.model.eval().requires_grad_(False)
     start = bridge.recv_object(0, START)
     stream.load_state_dict(start["data"])
-    tool_images = cfg.rollout.max_turns if any(task.tools for task in tasks.values()) else 0
-    engine = make_engine(cfg, policy, max_images=max(len(s.images) for s in stream.samples) + tool_images,
-                         max_videos=max(len(s.videos) for s in stream.samples))  # fmt: skip
+    max_images, max_videos, tool_images = media_room(cfg, tasks, stream.samples)
+    engine = make_engine(cfg, policy, max_images=max_images + tool_images, max_videos=max_videos)
     inbox = WeightsInbox(bridge, policy, engine)
     mine = engine_slots(placement, prompts_per_step)[index]
     others = [rank for rank in placement.engine_ranks if rank != placement.rank]

@@ -33,6 +33,14 @@ def engine_dtype(cfg: Config) -> str:
     return "bfloat16" if cfg.train.mixed_precision == "bf16" else cfg.model.dtype
 
 
+def media_room(cfg: Config, tasks, samples) -> tuple[int, int, int]:
+    """What an engine must make room for, from the run's data: (the most images a prompt holds, the most videos, the
+    crops a thought may get back: ``rollout.max_turns`` where a task has tools, else 0). Both the trainers' setup
+    and an engine process (``engine_process.py``) read it."""
+    tool_images = cfg.rollout.max_turns if any(task.tools for task in tasks.values()) else 0
+    return max(len(s.images) for s in samples), max(len(s.videos) for s in samples), tool_images
+
+
 def make_engine(cfg: Config, policy, *, max_images: int = 1, max_videos: int = 0, num_processes: int = 1,
                 process_index: int = 0):
     """The engine ``rollout.engine`` names, ready to sample with ``policy``'s current weights. vLLM's (one per

@@ -33,7 +33,7 @@ from vlm_grpo_ma.run.judge_setup import judge_for
 from vlm_grpo_ma.run.memory_model import tree_too_large
 from vlm_grpo_ma.run.metrics import RunLogger, drop_records_after
 from vlm_grpo_ma.run.rewards import check_reward_overrides
-from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine
+from vlm_grpo_ma.run.rollout_engine import check_engine, make_engine, media_room
 from vlm_grpo_ma.run.run_dir import (
     CONFIG_FILE,
     LOCK_FILE,
@@ -214,8 +214,7 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
     eval_sets = load_eval_sets(cfg, tasks)
     with survive.together(accelerator):  # a task that needs a judge the settings do not give: every process stops
         judge = judge_for(cfg.judge, tasks.values(), run_dir)
-    max_videos = max(len(sample.videos) for sample in stream.samples)
-    tool_images = cfg.rollout.max_turns if any(task.tools for task in tasks.values()) else 0
+    max_images, max_videos, tool_images = media_room(cfg, tasks, stream.samples)
     if max_videos or tool_images:  # the start's check counted no video tokens nor crops: again, with the data's
         check_tree_fits(cfg, accelerator, videos_per_prompt=max_videos, tool_images_per_thought=tool_images)
 
@@ -315,8 +314,7 @@ def _build_run(cfg: Config, accelerator, run_dir: Path, run_lock, *, resume: boo
         engine = RemoteEngine(cfg, *split, start_step=start_step, stream_state=stream.state_dict(), policy=policy)
         counters["in_flight_trees_discarded"] += in_flight_at_resume(cfg, start_step) if history_state else 0
     else:
-        engine = make_engine(cfg, policy, max_images=max(len(sample.images) for sample in stream.samples) + tool_images,
-                             max_videos=max_videos, num_processes=num_processes, process_index=accelerator.process_index)  # fmt: skip
+        engine = make_engine(cfg, policy, max_images=max_images + tool_images, max_videos=max_videos, num_processes=num_processes, process_index=accelerator.process_index)  # fmt: skip
     return RunState(
         cfg=cfg, accelerator=accelerator, run_dir=run_dir, tasks=tasks, stream=stream, eval_sets=eval_sets,
         policy=policy, scorer=scorer, optimizer=optimizer, scheduler=scheduler, reference=reference, fsdp=fsdp,
